@@ -1,0 +1,32 @@
+"""tf_sparsify: communication-efficient distributed training for TensorFlow and Keras 3."""
+
+from tf_sparsify.compressors import (
+    BF16,
+    FP16,
+    QSGD,
+    Compressor,
+    Identity,
+    RandomK,
+    ScaledSign,
+    TernGrad,
+    TopK,
+)
+from tf_sparsify.keras import CompressionStats, SparsifiedOptimizer
+from tf_sparsify.pipeline import GradientPipeline
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BF16",
+    "FP16",
+    "QSGD",
+    "CompressionStats",
+    "Compressor",
+    "GradientPipeline",
+    "Identity",
+    "RandomK",
+    "ScaledSign",
+    "SparsifiedOptimizer",
+    "TernGrad",
+    "TopK",
+]

@@ -1,0 +1,109 @@
+"""How payloads travel between replicas. A collective moves tensors; it knows nothing else.
+
+Every front end (Keras on one device, tf.distribute, Horovod) is one of these behind the same
+:class:`~tf_sparsify.pipeline.GradientPipeline`.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+class Collective:
+    """Interface: ``all_reduce_sum`` and ``all_gather`` over lists of tensors.
+
+    ``divisor`` turns the sum of the replicas' contributions into the update the front end
+    expects: Keras under tf.distribute scales each replica's loss by ``1/num_replicas`` already
+    (so its dense path sums), Horovod averages per-rank gradients (so it divides by the size).
+    """
+
+    num_replicas: int = 1
+    divisor: float = 1.0
+
+    def replica_id(self) -> tf.Tensor:
+        return tf.constant(0, tf.int32)
+
+    def all_reduce_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        raise NotImplementedError
+
+    def all_gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each tensor stacked over replicas along a new leading axis of size ``num_replicas``."""
+        raise NotImplementedError
+
+
+class LocalCollective(Collective):
+    """A single replica: nothing travels."""
+
+    def all_reduce_sum(self, tensors):
+        return list(tensors)
+
+    def all_gather(self, tensors):
+        return [t[None] for t in tensors]
+
+
+class ReplicaContextCollective(Collective):
+    """tf.distribute: payloads travel through the current replica context."""
+
+    def __init__(self, context: tf.distribute.ReplicaContext):
+        self.context = context
+        self.num_replicas = context.num_replicas_in_sync
+
+    def replica_id(self):
+        return tf.cast(self.context.replica_id_in_sync_group, tf.int32)
+
+    def all_reduce_sum(self, tensors):
+        """Native all-reduce where TF's collectives take the dtype, else gather and add."""
+        tensors = list(tensors)
+        native = [i for i, t in enumerate(tensors) if t.dtype in _REDUCIBLE]
+        other = [i for i, t in enumerate(tensors) if t.dtype not in _REDUCIBLE]
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        if native:
+            reduced = self.context.all_reduce(
+                tf.distribute.ReduceOp.SUM, [tensors[i] for i in native]
+            )
+            for i, t in zip(native, reduced, strict=True):
+                out[i] = t
+        for i, t in zip(other, self.all_gather([tensors[i] for i in other]), strict=True):
+            out[i] = tf.reduce_sum(t, axis=0)
+        return out
+
+    def all_gather(self, tensors):
+        """Tensors of dtypes TF's collectives lack travel as their bytes packed in int32."""
+        if not tensors:
+            return []
+        wire = [t[None] if t.dtype in _REDUCIBLE else _to_int32(t)[None] for t in tensors]
+        gathered = self.context.all_gather(wire, axis=0)
+        return [
+            g if t.dtype in _REDUCIBLE else _from_int32(g, t)
+            for g, t in zip(gathered, tensors, strict=True)
+        ]
+
+
+_REDUCIBLE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _to_int32(t: tf.Tensor) -> tf.Tensor:
+    """The bytes of ``t`` zero-padded to a multiple of 4 and viewed as int32."""
+    raw = tf.reshape(tf.bitcast(tf.reshape(t, [-1, 1]), tf.uint8), [-1])
+    raw = tf.pad(raw, [[0, (-tf.size(raw)) % 4]])
+    return tf.bitcast(tf.reshape(raw, [-1, 4]), tf.int32)
+
+
+def _from_int32(gathered: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """Inverse of :func:`_to_int32` for a ``[replicas, words]`` gather of tensors like ``like``."""
+    replicas = tf.shape(gathered)[0]
+    raw = tf.reshape(tf.bitcast(gathered, tf.uint8), [replicas, -1])
+    size = like.dtype.size
+    raw = tf.reshape(raw[:, : tf.size(like) * size], [replicas, -1, size])
+    values = tf.bitcast(raw, like.dtype) if size > 1 else tf.bitcast(raw[..., 0], like.dtype)
+    return tf.reshape(values, tf.concat([[replicas], tf.shape(like)], axis=0))
+
+
+def current_collective() -> Collective:
+    """The collective for the calling context: tf.distribute when inside a strategy's replica."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        raise ValueError("Gradients must be exchanged in a replica context, not cross-replica.")
+    if tf.distribute.has_strategy() and context.num_replicas_in_sync > 1:
+        return ReplicaContextCollective(context)
+    return LocalCollective()

@@ -1,0 +1,23 @@
+"""Gradient compressors: ``compress(tensor) -> (payload, ctx)``, ``decompress(payload, ctx)``."""
+
+from tf_sparsify.compressors.base import Compressor, Context, deserialize, serialize
+from tf_sparsify.compressors.dense import BF16, FP16, Identity
+from tf_sparsify.compressors.qsgd import QSGD
+from tf_sparsify.compressors.randomk import RandomK
+from tf_sparsify.compressors.ternary import ScaledSign, TernGrad
+from tf_sparsify.compressors.topk import TopK
+
+__all__ = [
+    "BF16",
+    "FP16",
+    "QSGD",
+    "Compressor",
+    "Context",
+    "Identity",
+    "RandomK",
+    "ScaledSign",
+    "TernGrad",
+    "TopK",
+    "deserialize",
+    "serialize",
+]

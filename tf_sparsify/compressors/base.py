@@ -1,0 +1,194 @@
+"""The compressor interface and the small helpers every compressor shares."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import tensorflow as tf
+
+Payload = tuple[tf.Tensor, ...]
+
+FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+
+
+class Context:
+    """What a receiver knows besides the payload: shape, dtype, and the RNG keys of the step.
+
+    Every replica compresses the same tensor at the same step, so a receiver can rebuild
+    shared random choices (RandomK's indices) from ``step`` and ``tensor_id``.
+    """
+
+    __slots__ = ("shape", "dtype", "step", "tensor_id")
+
+    def __init__(
+        self, shape: tf.TensorShape, dtype: tf.DType, step: tf.Tensor | int = 0, tensor_id: int = 0
+    ):
+        self.shape = tf.TensorShape(shape)
+        self.dtype = tf.as_dtype(dtype)
+        self.step = step
+        self.tensor_id = tensor_id
+
+    @property
+    def num_elements(self) -> int:
+        return self.shape.num_elements()
+
+
+class Compressor:
+    """Base class: ``compress(tensor) -> (payload, ctx)``, ``decompress(payload, ctx)``.
+
+    Subclasses set ``unbiased`` and ``summable`` and implement ``_compress``, ``_decompress``
+    and ``wire_bytes``. A compressor holds no state apart from its seed: random choices are
+    drawn from stateless RNG keyed by ``(seed, step, tensor_id[, replica_id])``.
+
+    ``summable`` means payloads of several replicas can be added element-wise before
+    ``decompress`` (decompression is linear in the payload and all replicas share the layout),
+    so they travel by all-reduce; other payloads travel by all-gather.
+    """
+
+    unbiased: ClassVar[bool] = False
+    summable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        _REGISTRY[cls.__name__] = cls
+
+    # -- public interface -------------------------------------------------------------------
+    def compress(
+        self,
+        tensor: tf.Tensor,
+        step: tf.Tensor | int = 0,
+        tensor_id: int = 0,
+        replica_id: tf.Tensor | int = 0,
+    ) -> tuple[Payload, Context]:
+        """Compress ``tensor``; the keys only matter for randomized compressors."""
+        tensor = tf.convert_to_tensor(tensor)
+        check_float("tensor", tensor.dtype)
+        ctx = Context(tensor.shape, tensor.dtype, step, tensor_id)
+        return tuple(self._compress(tensor, ctx, replica_id)), ctx
+
+    def decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
+        """Rebuild a dense tensor of the original shape and dtype."""
+        return self._decompress(tuple(payload), ctx)
+
+    def compress_with_feedback(
+        self,
+        tensor: tf.Tensor,
+        residual: tf.Tensor,
+        step: tf.Tensor | int = 0,
+        tensor_id: int = 0,
+        replica_id: tf.Tensor | int = 0,
+    ) -> tuple[Payload, Context, tf.Tensor]:
+        """Compress ``acc = tensor + residual``: ``(payload, ctx, acc - decompress(payload))``.
+
+        Fused kernels override this to do it in one pass.
+        """
+        acc = tf.convert_to_tensor(tensor) + residual
+        payload, ctx = self.compress(acc, step, tensor_id, replica_id)
+        return payload, ctx, acc - self.decompress(payload, ctx)
+
+    def decompress_sum(self, gathered: Payload, ctx: Context, num_replicas: int) -> tf.Tensor:
+        """Sum of the decompressed payloads of ``num_replicas`` replicas.
+
+        ``gathered`` holds each payload tensor stacked along a new leading replica axis.
+        """
+        total = None
+        for r in range(num_replicas):
+            part = self.decompress(tuple(t[r] for t in gathered), ctx)
+            total = part if total is None else total + part
+        return total
+
+    def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
+        """Exact bytes of the payload for a tensor of ``num_elements`` entries of ``dtype``."""
+        raise NotImplementedError
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Compressor:
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(self.get_config().items()))))
+
+    # -- to implement -----------------------------------------------------------------------
+    def _compress(self, tensor: tf.Tensor, ctx: Context, replica_id) -> Payload:
+        raise NotImplementedError
+
+    def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
+        raise NotImplementedError
+
+
+def serialize(compressor: Compressor) -> dict[str, Any]:
+    """``{"class_name": ..., "config": ...}`` for Keras configs."""
+    return {"class_name": type(compressor).__name__, "config": compressor.get_config()}
+
+
+def deserialize(config: dict[str, Any] | Compressor) -> Compressor:
+    """Inverse of :func:`serialize`; a compressor instance passes through."""
+    if isinstance(config, Compressor):
+        return config
+    name = config.get("class_name") if isinstance(config, dict) else None
+    if name not in _REGISTRY:
+        raise ValueError(f"Unknown compressor: {config!r}. Known: {sorted(_REGISTRY)}")
+    return _REGISTRY[name].from_config(config.get("config", {}))
+
+
+def check_float(name: str, dtype: tf.DType) -> None:
+    """ValueError unless ``dtype`` is a floating type we compress."""
+    if tf.as_dtype(dtype) not in FLOAT_DTYPES:
+        raise ValueError(
+            f"`{name}` must be a floating-point tensor (float16, bfloat16, float32, float64); "
+            f"received dtype={tf.as_dtype(dtype).name}"
+        )
+
+
+def check_ratio(ratio: Any) -> float:
+    """A density in (0, 1]."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+        raise ValueError(f"`ratio` must be a number in (0, 1]; received ratio={ratio!r}")
+    return float(ratio)
+
+
+def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """An integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}; received {name}={value!r}")
+    return value
+
+
+def check_seed(seed: Any) -> int:
+    """A non-negative integer seed."""
+    return check_positive_int("seed", seed, minimum=0)
+
+
+def k_for(num_elements: int, ratio: float | None, k: int | None) -> int:
+    """Entries to keep: ``k`` clamped to the tensor size, else ``max(1, ceil(ratio * d))``."""
+    if k is not None:
+        return min(k, num_elements)
+    return min(num_elements, max(1, math.ceil(ratio * num_elements)))
+
+
+def rng_seed(
+    seed: int, step: tf.Tensor | int, tensor_id: int, replica_id: tf.Tensor | int = 0
+) -> tf.Tensor:
+    """A shape-[2] int64 seed for ``tf.random.stateless_*`` from the four keys."""
+    key = tf.constant([seed, tensor_id], tf.int64)
+    for data in (step, replica_id):
+        key = tf.random.experimental.stateless_fold_in(key, tf.cast(data, tf.int64), alg="philox")
+        key = tf.cast(key[:2], tf.int64)
+    return key
+
+
+def dtype_bytes(dtype: tf.DType) -> int:
+    return tf.as_dtype(dtype).size

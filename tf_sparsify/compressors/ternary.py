@@ -1,0 +1,83 @@
+"""Ternary quantizers: unbiased TernGrad and the biased scaled sign."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tf_sparsify.compressors import bits
+from tf_sparsify.compressors.base import (
+    Compressor,
+    Context,
+    Payload,
+    check_seed,
+    rng_seed,
+)
+
+
+class TernGrad(Compressor):
+    """``Q(v)_i = ||v||_inf * sign(v_i) * Bernoulli(|v_i| / ||v||_inf)``, without clipping.
+
+    Payload: 2-bit codes (4 per byte) and the float32 scale ``||v||_inf``.
+    ``variance_bound(d) == sqrt(d) - 1``. Noise keyed by ``(seed, step, tensor, replica)``.
+    """
+
+    unbiased = True
+    summable = False
+
+    def __init__(self, seed: int = 0):
+        self.seed = check_seed(seed)
+
+    def variance_bound(self, num_elements: int) -> float:
+        return num_elements**0.5 - 1.0
+
+    def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
+        return bits.packed_size(num_elements, 2) + 4
+
+    def _compress(self, tensor, ctx, replica_id) -> Payload:
+        flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
+        scale = tf.reduce_max(tf.abs(flat))
+        safe = tf.where(scale > 0, scale, 1.0)
+        u = tf.random.stateless_uniform(
+            tf.shape(flat), seed=rng_seed(self.seed, ctx.step, ctx.tensor_id, replica_id)
+        )
+        keep = u < tf.abs(flat) / safe
+        code = tf.where(keep, tf.where(flat < 0, 0, 2), 1)  # -1, 0, +1 stored as 0, 1, 2
+        return bits.pack(code, 2), scale
+
+    def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
+        packed, scale = payload
+        code = bits.unpack(packed, 2, ctx.num_elements)
+        flat = tf.cast(code - 1, tf.float32) * scale
+        return tf.cast(tf.reshape(flat, ctx.shape), ctx.dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"seed": self.seed}
+
+
+class ScaledSign(Compressor):
+    """``(||x||_1 / d) * sign(x)`` with 1 bit per entry (EF-signSGD); biased.
+
+    Zeros are sent as +1 (one bit has no room for 0); error feedback absorbs the difference.
+    Payload: packed sign bits and the float32 scale. ``contraction(d) == 1/d`` (worst case).
+    """
+
+    unbiased = False
+    summable = False
+
+    def contraction(self, num_elements: int) -> float:
+        return 1.0 / num_elements
+
+    def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
+        return bits.packed_size(num_elements, 1) + 4
+
+    def _compress(self, tensor, ctx, replica_id) -> Payload:
+        flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
+        scale = tf.reduce_sum(tf.abs(flat)) / float(max(ctx.num_elements, 1))
+        return bits.pack(tf.cast(flat >= 0, tf.int32), 1), scale
+
+    def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
+        packed, scale = payload
+        sign = tf.cast(bits.unpack(packed, 1, ctx.num_elements), tf.float32) * 2.0 - 1.0
+        return tf.cast(tf.reshape(sign * scale, ctx.shape), ctx.dtype)

@@ -1,0 +1,84 @@
+"""TopK sparsification: keep the k entries of largest magnitude (biased; use error feedback)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tf_sparsify import ops
+from tf_sparsify.compressors.base import (
+    Compressor,
+    Context,
+    Payload,
+    check_float,
+    check_positive_int,
+    check_ratio,
+    dtype_bytes,
+    k_for,
+)
+from tf_sparsify.ops.reference import index_dtype
+
+
+class TopK(Compressor):
+    """Exact top-k by magnitude, ties to the lowest index.
+
+    Give exactly one of ``ratio`` (k = max(1, ceil(ratio * d))) or ``k``; a ``k`` larger than
+    a tensor is clamped to its size. Payload: ``(values, indices)``, indices ascending,
+    int32 (int64 for tensors of 2**31 entries or more). Backed by the fused
+    ``TopKErrorFeedback`` op when compiled.
+    """
+
+    unbiased = False
+    summable = False
+
+    def __init__(self, ratio: float | None = None, k: int | None = None):
+        if (ratio is None) == (k is None):
+            raise ValueError(
+                f"TopK needs exactly one of `ratio` or `k`; received ratio={ratio!r}, k={k!r}"
+            )
+        self.ratio = None if ratio is None else check_ratio(ratio)
+        self.k = None if k is None else check_positive_int("k", k)
+
+    def num_selected(self, num_elements: int) -> int:
+        return k_for(num_elements, self.ratio, self.k)
+
+    def contraction(self, num_elements: int) -> float:
+        """delta with ||x - C(x)||^2 <= (1 - delta) ||x||^2: k / d."""
+        return self.num_selected(num_elements) / num_elements
+
+    def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
+        k = self.num_selected(num_elements)
+        return k * (dtype_bytes(dtype) + index_dtype(num_elements).size)
+
+    def compress_with_feedback(self, tensor, residual, step=0, tensor_id=0, replica_id=0):
+        tensor = tf.convert_to_tensor(tensor)
+        check_float("tensor", tensor.dtype)
+        ctx = Context(tensor.shape, tensor.dtype, step, tensor_id)
+        values, indices, new_residual = ops.topk_error_feedback(
+            tensor, residual, self.num_selected(ctx.num_elements)
+        )
+        return (values, indices), ctx, new_residual
+
+    def _compress(self, tensor, ctx, replica_id) -> Payload:
+        values, indices, _ = ops.topk_error_feedback(
+            tensor, tf.zeros_like(tensor), self.num_selected(ctx.num_elements)
+        )
+        return values, indices
+
+    def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
+        values, indices = payload
+        return _scatter(values, indices, ctx)
+
+    def decompress_sum(self, gathered: Payload, ctx: Context, num_replicas: int) -> tf.Tensor:
+        values, indices = gathered
+        return _scatter(tf.reshape(values, [-1]), tf.reshape(indices, [-1]), ctx)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "k": self.k}
+
+
+def _scatter(values: tf.Tensor, indices: tf.Tensor, ctx: Context) -> tf.Tensor:
+    """Dense tensor of ``ctx``'s shape with ``values`` added at flat ``indices``."""
+    flat = tf.scatter_nd(indices[:, None], values, [ctx.num_elements])
+    return tf.reshape(flat, ctx.shape)
