@@ -1,0 +1,41 @@
+"""Shared fixtures. Four logical CPU devices exist for every test process.
+
+Two MirroredStrategy objects in one process can collide on collective instance keys, so the
+session has exactly one 2-replica strategy (``mirrored2``); tests needing another replica
+count run in a subprocess (see ``run_python``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import tensorflow as tf
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def mirrored2() -> tf.distribute.MirroredStrategy:
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def run_python(code: str, timeout: int = 300, env: dict | None = None) -> str:
+    """Run ``code`` in a fresh interpreter (repo on the path); return stdout, fail on error."""
+    full_env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout
