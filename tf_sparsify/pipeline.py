@@ -22,6 +22,8 @@ import tensorflow as tf
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor, check_float, dtype_bytes, serialize
 from tf_sparsify.compressors.dense import Identity
+from tf_sparsify.heuristics import clipping, momentum
+from tf_sparsify.heuristics.measure import STAT_NAMES, unit_stats
 
 SCOPES = ("layer", "global")
 
@@ -56,6 +58,11 @@ class StepResult:
     updates: list[tf.Tensor | None]
     residuals: list[tf.Tensor | None]
     finite: tf.Tensor
+    #: new momentum buffers (aligned like ``residuals``) when momentum correction is on.
+    momenta: list[tf.Tensor | None] | None = None
+    #: ``[len(units), 4]`` float64 rows of :func:`tf_sparsify.heuristics.measure.unit_stats`
+    #: when ``step(..., measure=...)`` was given (zeros on steps where it was False).
+    stats: tf.Tensor | None = None
 
 
 class GradientPipeline:
@@ -67,6 +74,14 @@ class GradientPipeline:
         scope: ``"layer"`` compresses each tensor alone, ``"global"`` all tensors of one dtype
             flattened together.
         min_size: tensors with fewer entries travel uncompressed, without memory.
+        skip_1d: tensors of rank 0 or 1 (biases, normalization scales) also travel
+            uncompressed, without memory.
+        momentum_correction: DGC momentum correction with momentum factor masking, with this
+            momentum factor in [0, 1); 0 is off. Needs a momentum buffer per variable (see
+            :mod:`tf_sparsify.heuristics.momentum`); the inner optimizer should then be plain SGD.
+        local_clipnorm: clip each replica's gradients by their joint norm before accumulation,
+            the threshold scaled by ``1/sqrt(num_replicas)`` (see
+            :mod:`tf_sparsify.heuristics.clipping`); ``None`` is off.
     """
 
     def __init__(
@@ -75,6 +90,9 @@ class GradientPipeline:
         error_feedback: bool | None = None,
         scope: str = "layer",
         min_size: int = 0,
+        skip_1d: bool = False,
+        momentum_correction: float = 0.0,
+        local_clipnorm: float | None = None,
     ):
         if not isinstance(compressor, Compressor):
             raise ValueError(
@@ -95,6 +113,11 @@ class GradientPipeline:
         )
         self.scope = scope
         self.min_size = min_size
+        if not isinstance(skip_1d, bool):
+            raise ValueError(f"`skip_1d` must be True or False; received skip_1d={skip_1d!r}")
+        self.skip_1d = skip_1d
+        self.momentum_correction = momentum.check_momentum(momentum_correction)
+        self.local_clipnorm = clipping.check_clipnorm(local_clipnorm)
 
     # -- planning (static, from shapes) -------------------------------------------------------
     def plan(self, shapes: Sequence[tf.TensorShape], dtypes: Sequence[tf.DType]) -> list[Unit]:
@@ -105,7 +128,9 @@ class GradientPipeline:
             shape = tf.TensorShape(shape)
             if not shape.is_fully_defined():
                 raise ValueError(f"Gradient shapes must be fully defined; received shape={shape}")
-            (compressed if shape.num_elements() >= max(self.min_size, 1) else dense).append(i)
+            small = shape.num_elements() < max(self.min_size, 1)
+            flat = self.skip_1d and shape.rank < 2
+            (dense if small or flat else compressed).append(i)
         units = [
             Unit((i,), (tf.TensorShape(shapes[i]),), tf.as_dtype(dtypes[i]), Identity(), False)
             for i in dense
@@ -128,6 +153,15 @@ class GradientPipeline:
             )
         return sorted(units, key=lambda u: u.indices[0])
 
+    def needs_momentum(self, units: Sequence[Unit], num_variables: int) -> list[bool]:
+        """Which variables need a momentum buffer (all planned ones with momentum correction)."""
+        flags = [False] * num_variables
+        if self.momentum_correction > 0:
+            for unit in units:
+                for i in unit.indices:
+                    flags[i] = True
+        return flags
+
     def needs_residual(self, units: Sequence[Unit], num_variables: int) -> list[bool]:
         """Which variables need a residual buffer."""
         flags = [False] * num_variables
@@ -144,28 +178,57 @@ class GradientPipeline:
         residuals: Sequence[tf.Tensor | None],
         step: tf.Tensor,
         collective: Collective,
+        momenta: Sequence[tf.Tensor | None] | None = None,
+        measure: tf.Tensor | bool | None = None,
     ) -> StepResult:
         """Exchange ``grads`` (aligned with the planned variables) and return the updates.
 
         Units whose gradients are ``None`` are skipped (the variables keep their values).
+        ``momenta``: the momentum buffers, needed when momentum correction is on. ``measure``:
+        when given, ``StepResult.stats`` holds this replica's measurements of the step, computed
+        only where ``measure`` is True (a boolean tensor, e.g. every N steps).
         """
         replica_id = collective.replica_id()
+        use_momentum = self.momentum_correction > 0
+        if use_momentum and momenta is None:
+            raise ValueError("Momentum correction is on: `momenta` must be given to step().")
+        if self.local_clipnorm is not None:
+            grads = clipping.clip_by_local_norm(
+                [None if g is None else _dense(g) for g in grads],
+                self.local_clipnorm,
+                collective.num_replicas,
+                collective.divisor,
+            )
         active = [u for u in units if all(grads[i] is not None for i in u.indices)]
-        messages, local_ok = [], []
+        messages, local_ok, probes = [], [], {}
+        new_momenta: list[tf.Tensor | None] | None = [None] * len(grads) if use_momentum else None
         for unit in active:
             g = _join([_dense(grads[i]) for i in unit.indices], unit.shapes)
+            x, e = g, None
+            if use_momentum:
+                buffer = _join([momenta[i] for i in unit.indices], unit.shapes)
+                x = momentum.accumulate_momentum(buffer, g, self.momentum_correction)
             tensor_id = unit.indices[0]
             if unit.error_feedback:
                 e = _join([residuals[i] for i in unit.indices], unit.shapes)
                 payload, ctx, remainder = unit.compressor.compress_with_feedback(
-                    g, e, step, tensor_id, replica_id
+                    x, e, step, tensor_id, replica_id
                 )
                 local_ok += [_all_finite(remainder)] + [_all_finite(t) for t in _floats(payload)]
             else:
-                payload, ctx = unit.compressor.compress(g, step, tensor_id, replica_id)
+                payload, ctx = unit.compressor.compress(x, step, tensor_id, replica_id)
                 remainder = None
                 if not isinstance(unit.compressor, Identity):
-                    local_ok.append(_all_finite(g))
+                    local_ok.append(_all_finite(x))
+            if use_momentum:
+                buffer = x
+                if unit.error_feedback:
+                    buffer = momentum.mask_momentum(
+                        x, momentum.sent_mask(unit.compressor, payload, ctx)
+                    )
+                for i, part in zip(unit.indices, _split(buffer, unit.shapes), strict=True):
+                    new_momenta[i] = part
+            probes[unit.indices] = (g, x, e, remainder, payload, ctx)
             messages.append((unit, payload, ctx, remainder))
 
         if local_ok:
@@ -200,7 +263,8 @@ class GradientPipeline:
                 for i, part in zip(unit.indices, _split(remainder, unit.shapes), strict=True):
                     new_residuals[i] = part
         all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
-        return StepResult(updates, new_residuals, all_finite)
+        stats = None if measure is None else _measure(units, probes, measure)
+        return StepResult(updates, new_residuals, all_finite, new_momenta, stats)
 
     def get_config(self) -> dict:
         return {
@@ -208,12 +272,44 @@ class GradientPipeline:
             "error_feedback": self.error_feedback,
             "scope": self.scope,
             "min_size": self.min_size,
+            # options added later appear only when set, so older configs stay as they were
+            **({"skip_1d": True} if self.skip_1d else {}),
+            **(
+                {"momentum_correction": self.momentum_correction}
+                if self.momentum_correction
+                else {}
+            ),
+            **({"local_clipnorm": self.local_clipnorm} if self.local_clipnorm is not None else {}),
         }
 
 
 def bytes_per_step(units: Sequence[Unit]) -> tuple[int, int]:
     """``(wire bytes, dense bytes)`` one replica sends per step for these messages."""
     return sum(u.wire_bytes for u in units), sum(u.dense_bytes for u in units)
+
+
+def _measure(units: Sequence[Unit], probes: dict, flag) -> tf.Tensor:
+    """``[len(units), 4]`` stats rows, computed only when ``flag`` is True (zeros otherwise)."""
+    width = len(STAT_NAMES)
+
+    def compute():
+        rows = []
+        for unit in units:
+            if unit.indices not in probes:
+                rows.append(tf.zeros([width], tf.float64))
+                continue
+            g, x, e, remainder, payload, ctx = probes[unit.indices]
+            acc = x if e is None else x + e
+            error = remainder
+            if error is None:
+                error = acc - unit.compressor.decompress(payload, ctx)
+            rows.append(unit_stats(g, acc, error))
+        return tf.stack(rows) if rows else tf.zeros([0, width], tf.float64)
+
+    def skip():
+        return tf.zeros([len(units), width], tf.float64)
+
+    return tf.cond(tf.convert_to_tensor(flag, tf.bool), compute, skip)
 
 
 def _dense(grad) -> tf.Tensor:

@@ -1,0 +1,129 @@
+"""What the papers measure, computed on the real gradients inside the step.
+
+Per message (unit) of one step and replica, :func:`unit_stats` records four numbers:
+
+* ``grad_sq``: ``||g||^2`` of the fresh gradient (after local clipping, before momentum);
+* ``input_sq``: ``||x||^2`` of what was compressed (``x = residual + g`` with error feedback);
+* ``error_sq``: ``||x - C(x)||^2`` (with error feedback this is the new residual's norm);
+* ``sent``: the number of non-zero entries of ``C(x)``.
+
+:func:`summarize` turns them into the papers' quantities: the norm gap ``||x - C(x)|| / ||x||``
+against its worst case ``sqrt(1 - K/n)`` (TopK, paper A), the empirical ``beta =
+||Q(v) - v||^2 / ||v||^2`` of an unbiased quantizer against ``variance_bound(d)`` (paper B), the
+residual norm and the density actually sent, per unit and for the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sparsify.compressors.base import Compressor
+
+STAT_NAMES = ("grad_sq", "input_sq", "error_sq", "sent")
+
+
+def unit_stats(grad: tf.Tensor, x: tf.Tensor, error: tf.Tensor) -> tf.Tensor:
+    """``[grad_sq, input_sq, error_sq, sent]`` as float64 (see the module docstring)."""
+
+    def sq(t):
+        return tf.cast(tf.reduce_sum(tf.square(tf.cast(t, tf.float32))), tf.float64)
+
+    sent = tf.math.count_nonzero(tf.not_equal(x - error, 0), dtype=tf.int64)
+    return tf.stack([sq(grad), sq(x), sq(error), tf.cast(sent, tf.float64)])
+
+
+def gap_bound(compressor: Compressor, num_elements: int) -> float | None:
+    """Worst case of ``||x - C(x)|| / ||x||``: ``sqrt(1 - contraction)`` for a contraction
+    (TopK: ``sqrt(1 - K/n)``), ``sqrt(beta)`` (root mean square) for an unbiased quantizer,
+    ``None`` when the compressor promises neither.
+    """
+    if hasattr(compressor, "contraction"):
+        return math.sqrt(max(0.0, 1.0 - compressor.contraction(num_elements)))
+    if compressor.unbiased and hasattr(compressor, "variance_bound"):
+        return math.sqrt(compressor.variance_bound(num_elements))
+    return None
+
+
+def beta_bound(compressor: Compressor, num_elements: int) -> float | None:
+    """``variance_bound(d)`` of an unbiased quantizer, else ``None``."""
+    if compressor.unbiased and hasattr(compressor, "variance_bound"):
+        return float(compressor.variance_bound(num_elements))
+    return None
+
+
+def _ratio(num: float, den: float) -> float:
+    return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def summarize(
+    stats: np.ndarray,
+    units: Sequence,
+    names: Sequence[str] | None = None,
+    per_unit: bool = True,
+) -> dict[str, float]:
+    """The papers' quantities from a ``[len(units), 4]`` array of :func:`unit_stats` rows.
+
+    Whole-model keys: ``norm_gap`` (``sqrt(sum error_sq / sum input_sq)`` over every unit),
+    ``norm_gap_bound`` (``sqrt(max_u bound_u**2)``, a valid worst case for the whole vector;
+    absent when some unit has no bound), ``residual_norm`` (over units with error feedback),
+    ``grad_norm``, ``density`` (entries sent / entries), ``wire_density`` (the compressors'
+    promised entries, when they say), and ``beta`` / ``beta_bound`` when every compressed unit
+    is an unbiased quantizer. With ``per_unit``, the same keys suffixed ``/<name>`` per unit.
+    """
+    stats = np.asarray(stats, dtype=np.float64).reshape(len(units), len(STAT_NAMES))
+    names = list(names) if names is not None else [f"unit{i}" for i in range(len(units))]
+    out: dict[str, float] = {}
+    bounds, betas_ok = [], True
+    total = {"grad_sq": 0.0, "input_sq": 0.0, "error_sq": 0.0, "sent": 0.0, "res_sq": 0.0}
+    elements = 0
+    for unit, name, row in zip(units, names, stats, strict=True):
+        g_sq, x_sq, e_sq, sent = (float(v) for v in row)
+        n = unit.num_elements
+        elements += n
+        for key, value in (("grad_sq", g_sq), ("input_sq", x_sq), ("error_sq", e_sq)):
+            total[key] += value
+        total["sent"] += sent
+        if unit.error_feedback:
+            total["res_sq"] += e_sq
+        bound = gap_bound(unit.compressor, n)
+        bounds.append(bound)
+        b_bound = beta_bound(unit.compressor, n)
+        compressed = type(unit.compressor).__name__ != "Identity"
+        if compressed and b_bound is None:
+            betas_ok = False
+        if per_unit:
+            out[f"norm_gap/{name}"] = _ratio(e_sq, x_sq)
+            if bound is not None:
+                out[f"norm_gap_bound/{name}"] = bound
+            if b_bound is not None and compressed:
+                out[f"beta/{name}"] = e_sq / x_sq if x_sq > 0 else 0.0
+                out[f"beta_bound/{name}"] = b_bound
+            if unit.error_feedback:
+                out[f"residual_norm/{name}"] = math.sqrt(e_sq)
+            out[f"density/{name}"] = sent / n
+    out["norm_gap"] = _ratio(total["error_sq"], total["input_sq"])
+    if bounds and all(b is not None for b in bounds):
+        out["norm_gap_bound"] = math.sqrt(max(b * b for b in bounds))
+    out["residual_norm"] = math.sqrt(total["res_sq"])
+    out["grad_norm"] = math.sqrt(total["grad_sq"])
+    out["density"] = total["sent"] / max(elements, 1)
+    promised = [_promised(u) for u in units]
+    if all(p is not None for p in promised):
+        out["wire_density"] = sum(promised) / max(elements, 1)
+    if betas_ok and any(type(u.compressor).__name__ != "Identity" for u in units):
+        out["beta"] = total["error_sq"] / total["input_sq"] if total["input_sq"] > 0 else 0.0
+        out["beta_bound"] = max(beta_bound(u.compressor, u.num_elements) for u in units)
+    return out
+
+
+def _promised(unit) -> int | None:
+    """Entries the compressor promises to send for this unit, when it says."""
+    if type(unit.compressor).__name__ == "Identity":
+        return unit.num_elements
+    if hasattr(unit.compressor, "num_selected"):
+        return unit.compressor.num_selected(unit.num_elements)
+    return None
