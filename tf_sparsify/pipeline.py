@@ -180,13 +180,17 @@ class GradientPipeline:
         collective: Collective,
         momenta: Sequence[tf.Tensor | None] | None = None,
         measure: tf.Tensor | bool | None = None,
+        per_replica: bool = False,
     ) -> StepResult:
         """Exchange ``grads`` (aligned with the planned variables) and return the updates.
 
         Units whose gradients are ``None`` are skipped (the variables keep their values).
         ``momenta``: the momentum buffers, needed when momentum correction is on. ``measure``:
         when given, ``StepResult.stats`` holds this replica's measurements of the step, computed
-        only where ``measure`` is True (a boolean tensor, e.g. every N steps).
+        only where ``measure`` is True (a boolean tensor, e.g. every N steps). ``per_replica``:
+        every payload travels by all-gather and each update gets a leading axis of size
+        ``collective.num_replicas`` holding every replica's decompressed contribution (divided
+        by ``divisor``); their sum is the usual update (for delayed updates and IAG).
         """
         replica_id = collective.replica_id()
         use_momentum = self.momentum_correction > 0
@@ -236,28 +240,35 @@ class GradientPipeline:
             poison = tf.where(ok, 0.0, float("nan"))
             messages = [(u, _mark(p, poison), c, r) for u, p, c, r in messages]
 
-        summed = collective.all_reduce_sum(
-            [t for u, p, _, _ in messages if u.compressor.summable for t in p]
-        )
-        gathered = collective.all_gather(
-            [t for u, p, _, _ in messages if not u.compressor.summable for t in p]
-        )
+        def sums(unit: Unit) -> bool:
+            return unit.compressor.summable and not per_replica
+
+        summed = collective.all_reduce_sum([t for u, p, _, _ in messages if sums(u) for t in p])
+        gathered = collective.all_gather([t for u, p, _, _ in messages if not sums(u) for t in p])
 
         summed, gathered = iter(summed), iter(gathered)
         updates: list[tf.Tensor | None] = [None] * len(grads)
         new_residuals: list[tf.Tensor | None] = [None] * len(grads)
         finite = []
         for unit, payload, ctx, remainder in messages:
-            source = summed if unit.compressor.summable else gathered
+            source = summed if sums(unit) else gathered
             received = tuple(next(source) for _ in payload)
-            if unit.compressor.summable:
+            if per_replica:
+                total = tf.stack(
+                    [
+                        unit.compressor.decompress(tuple(t[r] for t in received), ctx)
+                        for r in range(collective.num_replicas)
+                    ]
+                )
+            elif unit.compressor.summable:
                 total = unit.compressor.decompress(received, ctx)
             else:
                 total = unit.compressor.decompress_sum(received, ctx, collective.num_replicas)
             if collective.divisor != 1:
                 total = total * tf.cast(1.0 / collective.divisor, total.dtype)
             finite.append(_all_finite(total))
-            for i, part in zip(unit.indices, _split(total, unit.shapes), strict=True):
+            parts = _split(total, unit.shapes, leading=int(per_replica))
+            for i, part in zip(unit.indices, parts, strict=True):
                 updates[i] = part
             if remainder is not None:
                 for i, part in zip(unit.indices, _split(remainder, unit.shapes), strict=True):
@@ -324,12 +335,15 @@ def _join(tensors: list[tf.Tensor], shapes: tuple[tf.TensorShape, ...]) -> tf.Te
     return tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
 
 
-def _split(tensor: tf.Tensor, shapes: tuple[tf.TensorShape, ...]) -> list[tf.Tensor]:
-    """Inverse of :func:`_join`."""
+def _split(
+    tensor: tf.Tensor, shapes: tuple[tf.TensorShape, ...], leading: int = 0
+) -> list[tf.Tensor]:
+    """Inverse of :func:`_join`, on the axes after the first ``leading`` ones."""
     if len(shapes) == 1:
         return [tensor]
-    parts = tf.split(tensor, [s.num_elements() for s in shapes])
-    return [tf.reshape(p, s) for p, s in zip(parts, shapes, strict=True)]
+    parts = tf.split(tensor, [s.num_elements() for s in shapes], axis=leading)
+    lead = tensor.shape[:leading]
+    return [tf.reshape(p, lead.concatenate(s)) for p, s in zip(parts, shapes, strict=True)]
 
 
 def _floats(payload) -> list[tf.Tensor]:
