@@ -11,7 +11,13 @@ from tf_sparsify.compressors import (
     TernGrad,
     TopK,
 )
-from tf_sparsify.keras import CompressionStats, SparsifiedOptimizer
+from tf_sparsify.heuristics import dgc_density_schedule
+from tf_sparsify.keras import (
+    CompressionDiagnostics,
+    CompressionStats,
+    DensityWarmup,
+    SparsifiedOptimizer,
+)
 from tf_sparsify.pipeline import GradientPipeline
 
 __version__ = "0.1.0"
@@ -20,8 +26,10 @@ __all__ = [
     "BF16",
     "FP16",
     "QSGD",
+    "CompressionDiagnostics",
     "CompressionStats",
     "Compressor",
+    "DensityWarmup",
     "GradientPipeline",
     "Identity",
     "RandomK",
@@ -29,4 +37,5 @@ __all__ = [
     "SparsifiedOptimizer",
     "TernGrad",
     "TopK",
+    "dgc_density_schedule",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
@@ -13,6 +14,7 @@ from keras.src.utils import tracking
 
 from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
+from tf_sparsify.heuristics.measure import STAT_NAMES
 from tf_sparsify.pipeline import GradientPipeline, StepResult, bytes_per_step
 
 _BASE_OPTIONS = (
@@ -45,6 +47,18 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         error_feedback: keep residuals; default on for biased compressors, off for unbiased.
         scope: ``"layer"`` (per tensor) or ``"global"`` (all tensors of a dtype together).
         min_size: tensors with fewer entries travel uncompressed.
+        skip_1d: tensors of rank 0 or 1 (biases, normalization scales) travel uncompressed.
+        momentum_correction: DGC momentum correction with momentum factor masking, with this
+            momentum factor (0 = off). Momentum then happens on each replica before
+            compression, so the inner optimizer must not add its own: an inner ``SGD`` with
+            ``momentum > 0`` is rejected, other inner optimizers get a warning. Momentum
+            buffers are per-replica optimizer variables like the residuals.
+        local_clipnorm: clip each replica's gradients by their joint norm before they are
+            accumulated, scaled by ``1/sqrt(num_replicas)`` so the averaged update is bounded
+            by about this value (DGC's local clipping); ``None`` is off.
+        diagnostics_every: every this many steps, record the norm gap, residual norm and
+            density of the step in ``diagnostics`` (0 = off; the
+            :class:`~tf_sparsify.keras.CompressionDiagnostics` callback turns it on itself).
 
     Residuals are optimizer variables (checkpointed, saved in ``.keras`` files). Under a
     ``tf.distribute`` strategy each replica keeps its own residual (sync-on-read, summed when
@@ -60,6 +74,10 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         scope: str = "layer",
         min_size: int = 0,
         name: str | None = None,
+        skip_1d: bool = False,
+        momentum_correction: float = 0.0,
+        local_clipnorm: float | None = None,
+        diagnostics_every: int = 0,
         **kwargs: Any,
     ):
         for option in _BASE_OPTIONS:
@@ -77,9 +95,22 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
             )
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
-        self.pipeline = GradientPipeline(compressor, error_feedback, scope, min_size)
+        self.pipeline = GradientPipeline(
+            compressor,
+            error_feedback,
+            scope,
+            min_size,
+            skip_1d=skip_1d,
+            momentum_correction=momentum_correction,
+            local_clipnorm=local_clipnorm,
+        )
+        if self.pipeline.momentum_correction > 0:
+            _check_no_inner_momentum(inner_optimizer)
+        self.diagnostics_every = _check_every(diagnostics_every)
         self._units = []
         self._residuals = []
+        self._momenta = []
+        self._diagnostics = None
 
     @property
     def compressor(self) -> Compressor:
@@ -93,6 +124,11 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         self._residuals = [
             self._add_residual(v) if need else None for v, need in zip(var_list, needs, strict=True)
         ]
+        momenta = self.pipeline.needs_momentum(self._units, len(var_list))
+        self._momenta = [
+            self._add_residual(v, suffix="momentum") if need else None
+            for v, need in zip(var_list, momenta, strict=True)
+        ]
         self.wire_bytes_per_step, self.dense_bytes_per_step = bytes_per_step(self._units)
         self.bytes_sent = self.add_variable(
             (), dtype="int64", aggregation="only_first_replica", name="bytes_sent"
@@ -100,11 +136,14 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         self.dense_bytes = self.add_variable(
             (), dtype="int64", aggregation="only_first_replica", name="dense_bytes"
         )
+        self.diagnostics_names = tuple(_unit_name(u, var_list) for u in self._units)
+        if self.diagnostics_every:
+            self._build_diagnostics()
         self.inner_optimizer.build(var_list)
         _disable_dense_all_reduce(self.inner_optimizer)
         super().build(var_list)
 
-    def _add_residual(self, variable) -> backend.Variable:
+    def _add_residual(self, variable, suffix: str = "residual") -> backend.Variable:
         """A zero residual per replica (sync-on-read: each replica writes only its own copy)."""
         with backend.name_scope(self.name, caller=self):
             residual = backend.Variable(
@@ -114,10 +153,89 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
                 trainable=False,
                 aggregation="sum",
                 synchronization="on_read",
-                name=f"{variable.name}_residual",
+                name=f"{variable.name}_{suffix}",
             )
         self._track_variable(residual)
         return residual
+
+    @tracking.no_automatic_dependency_tracking
+    def _build_diagnostics(self) -> None:
+        """The diagnostics record: per-replica stats rows (read as the mean over replicas) and
+        the number of steps done when they were recorded (0: never)."""
+        if self._diagnostics is not None:
+            return
+        with backend.name_scope(self.name, caller=self):
+            self._diagnostics = backend.Variable(
+                initializer=initializers.Zeros(),
+                shape=(len(self._units), len(STAT_NAMES)),
+                dtype="float64",
+                trainable=False,
+                aggregation="mean",
+                synchronization="on_read",
+                name="diagnostics",
+            )
+        self._track_variable(self._diagnostics)
+        self.diagnostics_step = self.add_variable(
+            (), dtype="int64", aggregation="only_first_replica", name="diagnostics_step"
+        )
+
+    def enable_diagnostics(self, every: int) -> None:
+        """Record diagnostics every ``every`` steps from the next trace of the train step on
+        (callers that already traced it must retrace: ``model.make_train_function(force=True)``).
+        A built optimizer creates its diagnostics variables here: call it under the model's
+        distribution strategy scope."""
+        self.diagnostics_every = _check_every(every)
+        if self.diagnostics_every and self.built:
+            self._build_diagnostics()
+
+    @property
+    def diagnostics(self):
+        """The ``[units, 4]`` diagnostics variable (``None`` until diagnostics are enabled and
+        the optimizer is built); rows follow ``diagnostics_names``, columns
+        :data:`~tf_sparsify.heuristics.measure.STAT_NAMES`."""
+        return self._diagnostics
+
+    @property
+    def units(self) -> list:
+        """The planned messages (:class:`~tf_sparsify.pipeline.Unit`) of one step."""
+        return list(self._units)
+
+    @property
+    def momenta(self) -> list:
+        """The momentum buffer of each trainable variable (momentum correction), or ``None``."""
+        return list(self._momenta)
+
+    def set_compressor(self, compressor: Compressor) -> None:
+        """Use ``compressor`` from the next trace of the train step on (e.g. a new density).
+
+        Everything else (error feedback, scope, sizes, heuristics) stays; residuals and momenta
+        carry over. The plan and the byte counts are recomputed, so the statistics stay
+        truthful once the step is retraced (``model.make_train_function(force=True)``).
+        """
+        old = self.pipeline
+        pipeline = GradientPipeline(
+            deserialize(compressor),
+            old.error_feedback,
+            old.scope,
+            old.min_size,
+            skip_1d=old.skip_1d,
+            momentum_correction=old.momentum_correction,
+            local_clipnorm=old.local_clipnorm,
+        )
+        if self.built:
+            variables = self._trainable_variables
+            units = pipeline.plan([v.shape for v in variables], [v.dtype for v in variables])
+            if pipeline.needs_residual(units, len(variables)) != old.needs_residual(
+                self._units, len(variables)
+            ):
+                raise ValueError(
+                    f"compressor={compressor!r} needs other residual buffers than the optimizer "
+                    "was built with."
+                )
+            self._units = units
+            self.wire_bytes_per_step, self.dense_bytes_per_step = bytes_per_step(units)
+            self.diagnostics_names = tuple(_unit_name(u, variables) for u in units)
+        self.pipeline = pipeline
 
     @property
     def residuals(self) -> list:
@@ -154,9 +272,14 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
             self.built = True
         variables = list(trainable_variables) if trainable_variables is not None else None
         ordered = self._in_build_order(list(grads), variables)
-        result = self.exchange(ordered, current_collective())
+        record = None
+        if self.diagnostics_every and self._diagnostics is not None:
+            record = tf.equal(self._iterations % self.diagnostics_every, 0)
+        result = self.exchange(ordered, current_collective(), measure=record)
         with backend.name_scope(self.name, caller=self):
             self._write_residuals(result)
+            if record is not None:
+                self._write_diagnostics(result, record)
             self.bytes_sent.assign_add(self.wire_bytes_per_step)
             self.dense_bytes.assign_add(self.dense_bytes_per_step)
             self._iterations.assign_add(1)
@@ -168,10 +291,27 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         if pairs:
             self.inner_optimizer.apply([u for u, _ in pairs], [v for _, v in pairs])
 
-    def exchange(self, grads: list, collective: Collective) -> StepResult:
+    def exchange(self, grads: list, collective: Collective, measure=None) -> StepResult:
         """Run the pipeline on gradients in build order, with this step's RNG key."""
         residuals = [None if r is None else r.value for r in self._residuals]
-        return self.pipeline.step(self._units, grads, residuals, self._iterations, collective)
+        momenta = None
+        if self.pipeline.momentum_correction > 0:
+            momenta = [None if m is None else m.value for m in self._momenta]
+        return self.pipeline.step(
+            self._units,
+            grads,
+            residuals,
+            self._iterations,
+            collective,
+            momenta=momenta,
+            measure=measure,
+        )
+
+    def _write_diagnostics(self, result: StepResult, record: tf.Tensor) -> None:
+        """Keep the stats of recording steps (written every step: no write inside a branch)."""
+        self._diagnostics.assign(tf.where(record, result.stats, self._diagnostics.value))
+        done = self._iterations + 1
+        self.diagnostics_step.assign(tf.where(record, done, self.diagnostics_step.value))
 
     def _in_build_order(self, grads: list, variables: list | None) -> list:
         if variables is None:
@@ -192,6 +332,12 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
             for r, new in zip(self._residuals, result.residuals, strict=True)
             if r is not None and new is not None
         ]
+        if result.momenta is not None:
+            pairs += [
+                (m, new)
+                for m, new in zip(self._momenta, result.momenta, strict=True)
+                if m is not None and new is not None
+            ]
         if not pairs:
             return
 
@@ -205,6 +351,8 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
     # -- serialization ------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
         config = self.pipeline.get_config()
+        if self.diagnostics_every:
+            config["diagnostics_every"] = self.diagnostics_every
         config["inner_optimizer"] = serialization_lib.serialize_keras_object(self.inner_optimizer)
         config["name"] = self.name
         return config
@@ -226,6 +374,41 @@ def find_sparsified(optimizer) -> SparsifiedOptimizer | None:
             return optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return None
+
+
+def _check_every(every) -> int:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(
+            f"`diagnostics_every` must be an integer >= 0; received diagnostics_every={every!r}"
+        )
+    return every
+
+
+def _check_no_inner_momentum(optimizer) -> None:
+    """Momentum correction already applies momentum: the inner optimizer must not add more."""
+    inner = optimizer
+    while isinstance(getattr(inner, "inner_optimizer", None), keras.optimizers.Optimizer):
+        inner = inner.inner_optimizer
+    if isinstance(inner, keras.optimizers.SGD):
+        if inner.momentum:
+            raise ValueError(
+                "momentum_correction applies momentum on each replica before compression; the "
+                f"inner SGD must have momentum=0, received momentum={inner.momentum!r}."
+            )
+        return
+    warnings.warn(
+        f"momentum_correction is meant for a plain SGD inner optimizer; {type(inner).__name__} "
+        "will apply its own update rule to the momentum-corrected updates.",
+        stacklevel=3,
+    )
+
+
+def _unit_name(unit, variables) -> str:
+    """The variable's path for a one-variable message, ``global_<dtype>`` for a group."""
+    if len(unit.indices) == 1:
+        variable = variables[unit.indices[0]]
+        return getattr(variable, "path", None) or variable.name
+    return f"global_{unit.dtype.name}"
 
 
 def _pass_through(grads_and_vars):
