@@ -44,12 +44,16 @@ class RandomK(Compressor):
 
     def indices(self, num_elements: int, step, tensor_id: int) -> tf.Tensor:
         """The k shared flat indices for this step and tensor, ascending."""
-        k = self.num_selected(num_elements)
-        picked = tf.random.experimental.index_shuffle(
-            tf.range(k, dtype=tf.int64),
-            rng_seed(self.seed, step, tensor_id),
-            tf.constant(num_elements - 1, tf.int64),
+        # The k largest of d i.i.d. uniform 31-bit keys are a uniform k-subset (ties have
+        # probability ~ d^2 / 2^32 and go to the lowest index).
+        keys = tf.random.stateless_uniform(
+            [num_elements],
+            seed=rng_seed(self.seed, step, tensor_id),
+            dtype=tf.int32,
+            minval=0,
+            maxval=2**31 - 1,
         )
+        picked = tf.math.top_k(keys, k=self.num_selected(num_elements), sorted=False).indices
         return tf.sort(picked)
 
     def _compress(self, tensor, ctx, replica_id) -> Payload:

@@ -1,0 +1,37 @@
+# Two entry points: `make demo` (set up, then the main job) and `make test` (set up, then
+# every test). Each sets up a virtual environment from scratch when it is missing.
+PYTHON ?= python3.11
+VENV ?= .venv
+# cpu -> tensorflow-cpu; use EXTRAS=gpu,demo,test for the CUDA-capable tensorflow wheel.
+EXTRAS ?= cpu,demo,test
+PY := $(VENV)/bin/python
+
+.PHONY: setup ops horovod demo test lint format
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+ops: $(VENV)/.installed
+	$(PY) -m tf_sparsify.ops.build
+
+setup: ops
+
+horovod: setup
+	bash scripts/install_horovod.sh $(VENV)
+
+demo: setup
+	$(PY) examples/digits_demo.py $(DEMO_ARGS)
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: setup horovod lint
+	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q
+
+format: $(VENV)/.installed
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .

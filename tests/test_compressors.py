@@ -1,0 +1,191 @@
+"""Compressor contracts: exactness, wire bytes, unbiasedness and variance, config, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sparsify as tfs
+from tf_sparsify.compressors import deserialize, serialize
+
+ALL = [
+    tfs.TopK(ratio=0.1),
+    tfs.TopK(k=3),
+    tfs.RandomK(ratio=0.25, seed=3),
+    tfs.QSGD(levels=4),
+    tfs.QSGD(levels=200, bucket_size=16),
+    tfs.TernGrad(seed=1),
+    tfs.ScaledSign(),
+    tfs.FP16(),
+    tfs.BF16(),
+    tfs.Identity(),
+]
+URQS = [
+    tfs.RandomK(ratio=0.1, seed=5),
+    tfs.QSGD(levels=1),
+    tfs.QSGD(levels=4),
+    tfs.QSGD(levels=2, bucket_size=8),
+    tfs.TernGrad(seed=2),
+]
+
+
+def numpy_topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest |x|, ties to the lowest index, ascending."""
+    order = sorted(range(x.size), key=lambda i: (-abs(float(x.flat[i])), i))
+    return np.sort(np.array(order[:k], dtype=np.int64))
+
+
+@pytest.mark.parametrize("compressor", ALL, ids=repr)
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.float16, tf.bfloat16])
+def test_roundtrip_shape_dtype_and_exact_wire_bytes(compressor, dtype):
+    x = tf.cast(tf.random.stateless_normal([7, 13], seed=[1, 2]), dtype)
+    payload, ctx = compressor.compress(x, step=3, tensor_id=1)
+    out = compressor.decompress(payload, ctx)
+    assert out.shape == x.shape and out.dtype == dtype
+    sent = sum(int(np.prod(t.shape)) * t.dtype.size for t in payload)
+    assert compressor.wire_bytes(91, dtype) == sent
+
+
+def test_topk_matches_numpy_with_ties():
+    x = np.array([[3.0, -3.0, 1.0], [3.0, -0.5, -3.0], [0.0, 2.0, -2.0]], np.float32)
+    for k in range(1, 10):
+        values, indices = tfs.TopK(k=k).compress(tf.constant(x))[0]
+        np.testing.assert_array_equal(indices.numpy(), numpy_topk(x, k))
+        np.testing.assert_array_equal(values.numpy(), x.flat[numpy_topk(x, k)])
+
+
+def test_topk_random_matches_numpy_and_decompress_keeps_only_selected():
+    rng = np.random.default_rng(0)
+    x = np.round(rng.normal(size=1000), 1).astype(np.float32)  # many ties
+    comp = tfs.TopK(ratio=0.05)
+    payload, ctx = comp.compress(tf.constant(x))
+    idx = numpy_topk(x, 50)
+    np.testing.assert_array_equal(payload[1].numpy(), idx)
+    dense = np.zeros_like(x)
+    dense[idx] = x[idx]
+    np.testing.assert_array_equal(comp.decompress(payload, ctx).numpy(), dense)
+
+
+def test_topk_k_from_ratio_clamp_and_contraction():
+    assert tfs.TopK(ratio=0.01).num_selected(1) == 1
+    assert tfs.TopK(ratio=0.01).num_selected(1001) == 11
+    assert tfs.TopK(k=50).num_selected(10) == 10
+    assert tfs.TopK(k=5).contraction(100) == 0.05
+    x = tf.random.stateless_normal([500], seed=[4, 4])
+    comp = tfs.TopK(ratio=0.1)
+    err = x - comp.decompress(*comp.compress(x))
+    assert tf.reduce_sum(err**2) <= (1 - comp.contraction(500)) * tf.reduce_sum(x**2)
+
+
+def test_feedback_fused_equals_generic_definition():
+    g = tf.random.stateless_normal([40, 5], seed=[1, 1])
+    e = tf.random.stateless_normal([40, 5], seed=[2, 2])
+    comp = tfs.TopK(ratio=0.1)
+    payload, ctx, remainder = comp.compress_with_feedback(g, e)
+    acc = g + e
+    np.testing.assert_array_equal(remainder.numpy(), (acc - comp.decompress(payload, ctx)).numpy())
+
+
+@pytest.mark.parametrize("compressor", URQS, ids=repr)
+def test_urq_unbiased_and_variance_bound(compressor):
+    d, trials = 64, 3000
+    v = tf.random.stateless_normal([d], seed=[7, 7]) * tf.linspace(0.1, 3.0, d)
+
+    @tf.function
+    def sample(step):
+        return compressor.decompress(*compressor.compress(v, step=step, tensor_id=0))
+
+    samples = np.stack([sample(tf.constant(t, tf.int64)).numpy() for t in range(trials)])
+    samples, v = samples.astype(np.float64), v.numpy().astype(np.float64)
+    mean = samples.mean(axis=0)
+    stderr = samples.std(axis=0) / math.sqrt(trials)
+    # 5 standard errors per coordinate; float32 rounding for coordinates sent exactly.
+    bad = np.abs(mean - v) > 5 * stderr + 1e-6 * np.abs(v).max()
+    assert not bad.any(), (np.flatnonzero(bad), mean[bad], v[bad], stderr[bad])
+    beta_hat = np.mean(np.sum((samples - v) ** 2, axis=1)) / np.sum(v**2)
+    assert beta_hat <= compressor.variance_bound(d) * 1.05
+    assert beta_hat > 0
+
+
+def test_variance_bound_formulas():
+    assert tfs.RandomK(ratio=0.1).variance_bound(1000) == pytest.approx(9.0)
+    assert tfs.QSGD(levels=4).variance_bound(1000) == pytest.approx(
+        min(1000 / 16, math.sqrt(1000) / 4)
+    )
+    assert tfs.QSGD(levels=2, bucket_size=9).variance_bound(1000) == pytest.approx(1.5)
+    assert tfs.TernGrad().variance_bound(100) == pytest.approx(9.0)
+
+
+def test_randomk_same_indices_across_replicas_new_ones_each_step():
+    comp = tfs.RandomK(ratio=0.1, seed=11)
+    a = comp.indices(1000, step=5, tensor_id=2).numpy()
+    b = comp.indices(1000, step=5, tensor_id=2).numpy()
+    c = comp.indices(1000, step=6, tensor_id=2).numpy()
+    np.testing.assert_array_equal(a, b)
+    assert len(set(a)) == 100 and not np.array_equal(a, c)
+    x = tf.range(1000, dtype=tf.float32)
+    (v1,), _ = comp.compress(x, step=5, tensor_id=2, replica_id=0)
+    (v2,), _ = comp.compress(x, step=5, tensor_id=2, replica_id=1)
+    np.testing.assert_array_equal(v1.numpy(), v2.numpy())
+    np.testing.assert_allclose(v1.numpy(), a * 10.0)
+
+
+def test_quantizers_draw_independently_per_replica_and_repeat_per_key():
+    x = tf.random.stateless_normal([256], seed=[3, 1])
+    for comp in (tfs.QSGD(levels=2), tfs.TernGrad()):
+        p0 = comp.compress(x, step=1, replica_id=0)[0][0].numpy()
+        p0_again = comp.compress(x, step=1, replica_id=0)[0][0].numpy()
+        p1 = comp.compress(x, step=1, replica_id=1)[0][0].numpy()
+        np.testing.assert_array_equal(p0, p0_again)
+        assert not np.array_equal(p0, p1)
+
+
+def test_qsgd_payload_is_int8_levels_and_norms():
+    x = tf.random.stateless_normal([100], seed=[1, 9])
+    (levels, norms), _ = tfs.QSGD(levels=4, bucket_size=32).compress(x)
+    assert levels.dtype == tf.int8 and norms.dtype == tf.float32
+    assert norms.shape == (4,) and int(tf.reduce_max(tf.abs(levels))) <= 4
+    assert tfs.QSGD(levels=300).compress(x)[0][0].dtype == tf.int16
+
+
+def test_scaled_sign_value_and_one_bit_per_entry():
+    x = tf.constant([1.0, -2.0, 3.0, 0.0, -4.0])
+    comp = tfs.ScaledSign()
+    payload, ctx = comp.compress(x)
+    np.testing.assert_allclose(comp.decompress(payload, ctx).numpy(), [2, -2, 2, 2, -2])
+    assert comp.wire_bytes(5) == 1 + 4 and comp.wire_bytes(17) == 3 + 4
+
+
+@pytest.mark.parametrize("compressor", ALL, ids=repr)
+def test_config_roundtrip(compressor):
+    again = deserialize(serialize(compressor))
+    assert again == compressor and type(again) is type(compressor)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: tfs.TopK(ratio=0), "ratio=0"),
+        (lambda: tfs.TopK(ratio=1.5), "ratio=1.5"),
+        (lambda: tfs.TopK(k=0), "k=0"),
+        (lambda: tfs.TopK(), "exactly one"),
+        (lambda: tfs.TopK(ratio=0.1, k=3), "exactly one"),
+        (lambda: tfs.RandomK(ratio=-0.1), "ratio=-0.1"),
+        (lambda: tfs.QSGD(levels=0), "levels=0"),
+        (lambda: tfs.QSGD(levels=2.5), "levels=2.5"),
+        (lambda: tfs.QSGD(levels=4, bucket_size=0), "bucket_size=0"),
+        (lambda: tfs.TernGrad(seed=-1), "seed=-1"),
+        (lambda: deserialize({"class_name": "Nope"}), "Unknown compressor"),
+    ],
+)
+def test_bad_arguments_name_argument_and_value(make, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        make()
+
+
+def test_non_float_tensor_rejected():
+    with pytest.raises(ValueError, match="dtype=int32"):
+        tfs.TopK(k=1).compress(tf.constant([1, 2, 3]))
