@@ -55,8 +55,11 @@ def clip_by_local_norm(
     present = [tf.convert_to_tensor(g) for g in grads if g is not None]
     if not present:
         return list(grads)
-    norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in present]))
+    # float32 sums (float64 when a gradient is float64), so half-precision gradients cannot overflow
+    wide = tf.float64 if any(g.dtype == tf.float64 for g in present) else tf.float32
+    norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, wide))) for g in present]))
+    threshold = tf.constant(threshold, wide)
     # min(1, t / norm), written so that norm == 0 gives 1 and a NaN/Inf norm gives NaN.
-    scale = tf.where(norm > threshold, threshold / norm, 1.0)
-    scale = tf.where(tf.math.is_finite(norm), scale, float("nan"))
+    scale = tf.where(norm > threshold, threshold / norm, tf.ones_like(norm))
+    scale = tf.where(tf.math.is_finite(norm), scale, tf.constant(float("nan"), wide))
     return [None if g is None else tf.convert_to_tensor(g) * tf.cast(scale, g.dtype) for g in grads]

@@ -41,7 +41,7 @@ def check_momentum(momentum) -> float:
 
 def accumulate_momentum(buffer: tf.Tensor, grad: tf.Tensor, momentum: float) -> tf.Tensor:
     """``m * u + g``."""
-    return tf.cast(momentum, grad.dtype) * buffer + grad
+    return tf.constant(momentum, grad.dtype) * buffer + grad
 
 
 def sent_mask(compressor: Compressor, payload: Payload, ctx: Context) -> tf.Tensor:
