@@ -8,9 +8,12 @@ These define the semantics the compiled kernels must reproduce bit for bit:
   ``indices`` are returned in ascending order, ``values = acc[indices]``, ``new_residual`` is
   ``acc`` with the selected entries set to zero.
 * ``qsgd_quantize``: per bucket of ``bucket_size`` consecutive flat entries (the whole tensor
-  when ``bucket_size`` is 0), ``norm = ||x_bucket||_2`` in float32, ``r = |x| / norm * levels``,
-  ``level = floor(r) + (u < r - floor(r))`` with ``u = hash_uniform(seed, flat_index)``; the
-  payload is ``sign(x) * level`` as int8 (levels <= 127) or int16, plus the float32 norms.
+  when ``bucket_size`` is 0), ``norm = ||x_bucket||_2`` rounded to float32, its sum of squares
+  taken in float64 in a fixed order (the bucket zero-padded to a power of two, adjacent pairs
+  added level by level) so that every implementation gets the same bits;
+  ``r = |x| / norm * levels``, ``level = floor(r) + (u < r - floor(r))`` with
+  ``u = hash_uniform(seed, flat_index)``; the payload is ``sign(x) * level`` as int8
+  (levels <= 127) or int16, plus the float32 norms.
 * ``hash_uniform``: a counter-based uniform in [0, 1) shared with the kernels, so the compiled
   QSGD and this reference give identical payloads for the same seed.
 """
@@ -90,6 +93,38 @@ def _bucketed(flat: tf.Tensor, bucket_size: int) -> tf.Tensor:
     return tf.reshape(tf.pad(flat, [[0, pad]]), [-1, bucket_size])
 
 
+def _pow2_ceil(x: tf.Tensor) -> tf.Tensor:
+    """Smallest power of two >= ``x`` (an int64 scalar >= 1)."""
+    (p,) = tf.while_loop(lambda p: p < x, lambda p: (p * 2,), (tf.constant(1, tf.int64),))
+    return p
+
+
+def _pairwise_row_sums(x: tf.Tensor) -> tf.Tensor:
+    """Row sums of ``x`` ``[rows, width]`` in a fixed order: zero-pad to a power-of-two width,
+    then add adjacent columns (0+1, 2+3, ...) until one is left."""
+    width = tf.shape(x, out_type=tf.int64)[1]
+    x = tf.pad(x, [[0, 0], [0, _pow2_ceil(width) - width]])
+
+    def halve(s: tf.Tensor) -> tuple[tf.Tensor]:
+        shape = tf.shape(s)
+        pairs = tf.reshape(s, [shape[0], shape[1] // 2, 2])
+        return (pairs[:, :, 0] + pairs[:, :, 1],)
+
+    (s,) = tf.while_loop(
+        lambda s: tf.shape(s)[1] > 1,
+        halve,
+        (x,),
+        shape_invariants=(tf.TensorShape([None, None]),),
+    )
+    return s[:, 0]
+
+
+def bucket_norms(buckets: tf.Tensor) -> tf.Tensor:
+    """float32 L2 norms of the rows of ``buckets`` (float32), summed in float64 pairwise."""
+    squares = tf.square(tf.cast(buckets, tf.float64))
+    return tf.cast(tf.sqrt(_pairwise_row_sums(squares)), tf.float32)
+
+
 def qsgd_quantize(
     tensor: tf.Tensor, levels: int, bucket_size: int, seed: tf.Tensor
 ) -> tuple[tf.Tensor, tf.Tensor]:
@@ -98,7 +133,7 @@ def qsgd_quantize(
     n = tf.size(flat)
     b = bucket_size if bucket_size > 0 else tf.maximum(n, 1)
     buckets = _bucketed(flat, b)
-    norms = tf.norm(buckets, axis=1)
+    norms = bucket_norms(buckets)
     safe = tf.where(norms > 0, norms, tf.ones_like(norms))
     ratio = tf.abs(buckets) / safe[:, None] * float(levels)
     ratio = tf.reshape(ratio, [-1])[:n]

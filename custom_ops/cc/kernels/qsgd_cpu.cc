@@ -1,0 +1,193 @@
+// CPU kernels of QSGDQuantize and QSGDDequantize.
+//
+// Bucket norms follow the reference's fixed summation order: each bucket is zero-padded to a
+// power of two P and squares (float64) are added in a tree of adjacent pairs. The tree is cut
+// into aligned blocks of kNormBlock entries, summed in parallel, then combined in the same
+// tree; zero padding is skipped since adding +0.0 to a sum of squares changes nothing.
+#define EIGEN_USE_THREADS
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/threadpool.h"
+#include "tensorflow/core/util/work_sharder.h"
+#include "tfs_common.h"
+#include "validate.h"
+
+namespace tensorflow {
+namespace tfs_ops {
+namespace {
+
+constexpr int64_t kNormBlock = 4096;
+constexpr int kLeaf = 32;
+
+template <typename T>
+inline double Square(T v) {
+  const double d = static_cast<double>(static_cast<float>(v));
+  return d * d;
+}
+
+// Pairwise-tree sum of squares of x[0:len] zero-padded to `width` (a power of two).
+template <typename T>
+double TreeSumOfSquares(const T* x, int64_t len, int64_t width) {
+  if (width <= kLeaf) {
+    double buf[kLeaf];
+    for (int64_t j = 0; j < width; ++j) buf[j] = j < len ? Square(x[j]) : 0.0;
+    for (int64_t w = width / 2; w >= 1; w /= 2) {
+      for (int64_t j = 0; j < w; ++j) buf[j] = buf[2 * j] + buf[2 * j + 1];
+    }
+    return buf[0];
+  }
+  const int64_t half = width / 2;
+  if (len <= half) return TreeSumOfSquares(x, len, half);
+  return TreeSumOfSquares(x, half, half) + TreeSumOfSquares(x + half, len - half, half);
+}
+
+// Runs fn over [0, total) in parallel shards of about `cost` cycles per unit.
+void Parallel(OpKernelContext* ctx, int64_t total, int64_t cost,
+              const std::function<void(int64_t, int64_t)>& fn) {
+  const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  Shard(workers->num_threads, workers->workers, total, cost, fn);
+}
+
+template <typename T>
+void BucketNorms(OpKernelContext* ctx, const T* x, int64_t n, int64_t bucket_size, float* norms) {
+  const int64_t b = tfs::EffectiveBucket(n, bucket_size);
+  const int64_t buckets = tfs::NumBuckets(n, bucket_size);
+  const int64_t width = tfs::Pow2Ceil(b);
+  const int64_t block = std::min(width, kNormBlock);
+  const int64_t per_bucket = width / block;
+  std::vector<double> sums(buckets * per_bucket, 0.0);
+  Parallel(ctx, buckets * per_bucket, block * 8, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t j = u / per_bucket;
+      const int64_t start = (u % per_bucket) * block;
+      const int64_t len = std::min(b, n - j * b) - start;
+      if (len > 0) sums[u] = TreeSumOfSquares(x + j * b + start, std::min(len, block), block);
+    }
+  });
+  for (int64_t j = 0; j < buckets; ++j) {
+    double* s = sums.data() + j * per_bucket;
+    for (int64_t w = per_bucket / 2; w >= 1; w /= 2) {
+      for (int64_t t = 0; t < w; ++t) s[t] = s[2 * t] + s[2 * t + 1];
+    }
+    norms[j] = static_cast<float>(std::sqrt(s[0]));
+  }
+}
+
+template <typename T, typename Q>
+class QsgdQuantizeCpuOp : public OpKernel {
+ public:
+  explicit QsgdQuantizeCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("levels", &levels_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bucket_size", &bucket_size_));
+    OP_REQUIRES_OK(ctx, ValidateQsgdAttrs("QSGDQuantize", levels_, bucket_size_,
+                                          DataTypeToEnum<Q>::value));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& input = ctx->input(0);
+    const Tensor& seed_t = ctx->input(1);
+    OP_REQUIRES_OK(ctx, ValidateQsgdSeed(seed_t));
+    const int64_t n = input.NumElements();
+    const int64_t buckets = tfs::NumBuckets(n, bucket_size_);
+    Tensor* levels_out = nullptr;
+    Tensor* norms_out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, input.shape(), &levels_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({buckets}), &norms_out));
+    if (n == 0) return;
+    const T* x = input.flat<T>().data();
+    float* norms = norms_out->flat<float>().data();
+    Q* q = levels_out->flat<Q>().data();
+    BucketNorms(ctx, x, n, bucket_size_, norms);
+    const int64_t b = tfs::EffectiveBucket(n, bucket_size_);
+    const int64_t seed = seed_t.scalar<int64_t>()();
+    const float levels = static_cast<float>(levels_);
+    Parallel(ctx, n, 30, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end;) {
+        const int64_t j = i / b;
+        const int64_t stop = std::min(end, (j + 1) * b);
+        const float norm = norms[j];
+        for (; i < stop; ++i) {
+          q[i] = static_cast<Q>(tfs::QuantizeOne(static_cast<float>(x[i]), norm, levels,
+                                                 tfs::HashUniform(seed, i)));
+        }
+      }
+    });
+  }
+
+ private:
+  int64_t levels_ = 0;
+  int64_t bucket_size_ = 0;
+};
+
+template <typename Q, typename T>
+class QsgdDequantizeCpuOp : public OpKernel {
+ public:
+  explicit QsgdDequantizeCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("levels", &levels_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bucket_size", &bucket_size_));
+    OP_REQUIRES_OK(ctx, ValidateQsgdAttrs("QSGDDequantize", levels_, bucket_size_,
+                                          DataTypeToEnum<Q>::value));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& levels_in = ctx->input(0);
+    const Tensor& norms_in = ctx->input(1);
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, ValidateDequantize(levels_in, norms_in, ctx->input(2), bucket_size_,
+                                           &shape));
+    Tensor* out_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out_t));
+    const int64_t n = levels_in.NumElements();
+    if (n == 0) return;
+    const Q* q = levels_in.flat<Q>().data();
+    const float* norms = norms_in.flat<float>().data();
+    T* out = out_t->flat<T>().data();
+    const int64_t b = tfs::EffectiveBucket(n, bucket_size_);
+    const float levels = static_cast<float>(levels_);
+    Parallel(ctx, n, 5, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end;) {
+        const int64_t j = i / b;
+        const int64_t stop = std::min(end, (j + 1) * b);
+        const float scale = tfs::DequantizeScale(norms[j], levels);
+        for (; i < stop; ++i) out[i] = static_cast<T>(tfs::DequantizeOne(q[i], scale));
+      }
+    });
+  }
+
+ private:
+  int64_t levels_ = 0;
+  int64_t bucket_size_ = 0;
+};
+
+#define TFS_REGISTER_QSGD_CPU(T, Q)                                                      \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("QSGDQuantize").Device(DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<Q>( \
+          "out_type"),                                                                   \
+      QsgdQuantizeCpuOp<T, Q>);                                                          \
+  REGISTER_KERNEL_BUILDER(Name("QSGDDequantize")                                         \
+                              .Device(DEVICE_CPU)                                        \
+                              .TypeConstraint<Q>("Tq")                                   \
+                              .TypeConstraint<T>("dtype"),                               \
+                          QsgdDequantizeCpuOp<Q, T>);
+#define TFS_REGISTER_QSGD_CPU_ALL(T) \
+  TFS_REGISTER_QSGD_CPU(T, int8_t)   \
+  TFS_REGISTER_QSGD_CPU(T, int16_t)
+
+TFS_REGISTER_QSGD_CPU_ALL(Eigen::half)
+TFS_REGISTER_QSGD_CPU_ALL(Eigen::bfloat16)
+TFS_REGISTER_QSGD_CPU_ALL(float)
+TFS_REGISTER_QSGD_CPU_ALL(double)
+
+#undef TFS_REGISTER_QSGD_CPU_ALL
+#undef TFS_REGISTER_QSGD_CPU
+
+}  // namespace
+}  // namespace tfs_ops
+}  // namespace tensorflow

@@ -1,0 +1,97 @@
+// Op registrations and shape functions of tf_sparsify's custom ops.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tfs_common.h"
+
+namespace tensorflow {
+
+using shape_inference::DimensionHandle;
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+REGISTER_OP("TopKErrorFeedback")
+    .Input("grad: T")
+    .Input("residual: T")
+    .Input("k: Tk")
+    .Output("values: T")
+    .Output("indices: index_type")
+    .Output("new_residual: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("Tk: {int32, int64} = DT_INT32")
+    .Attr("index_type: {int32, int64} = DT_INT32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle acc;
+      TF_RETURN_IF_ERROR(c->Merge(c->input(0), c->input(1), &acc));
+      ShapeHandle k_shape;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &k_shape));
+      DimensionHandle k;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &k));
+      c->set_output(0, c->Vector(k));
+      c->set_output(1, c->Vector(k));
+      c->set_output(2, acc);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Fused top-k selection with error feedback.
+
+acc = grad + residual (in T); selects the k entries of acc of largest magnitude, ranked by
+the IEEE bit pattern with the sign cleared (NaN ranks above +Inf, +0.0 equals -0.0), ties to
+the lowest flat index. indices: ascending flat indices; values = acc[indices];
+new_residual = acc with the selected entries set to +0.0 (it may reuse residual's buffer).
+)doc");
+
+REGISTER_OP("QSGDQuantize")
+    .Input("tensor: T")
+    .Input("seed: int64")
+    .Output("signed_levels: out_type")
+    .Output("norms: float")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("levels: int")
+    .Attr("bucket_size: int")
+    .Attr("out_type: {int8, int16}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle seed;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &seed));
+      int64_t bucket_size;
+      TF_RETURN_IF_ERROR(c->GetAttr("bucket_size", &bucket_size));
+      c->set_output(0, c->input(0));
+      DimensionHandle n = c->NumElements(c->input(0));
+      if (c->ValueKnown(n) && bucket_size >= 0) {
+        c->set_output(1, c->Vector(tfs::NumBuckets(c->Value(n), bucket_size)));
+      } else {
+        c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
+      }
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Bucketed QSGD quantization with counter-based stochastic rounding.
+
+Per bucket of bucket_size flat entries (all of them when 0): norm = float32(sqrt(pairwise
+float64 sum of squares)); r = |x| / norm * levels; level = floor(r) + (u < frac(r)) with
+u = hash_uniform(seed, i), capped at levels; signed_levels = sign(x) * level (0 for NaN).
+)doc");
+
+REGISTER_OP("QSGDDequantize")
+    .Input("signed_levels: Tq")
+    .Input("norms: float")
+    .Input("shape: Tshape")
+    .Output("output: dtype")
+    .Attr("Tq: {int8, int16}")
+    .Attr("levels: int")
+    .Attr("bucket_size: int")
+    .Attr("dtype: {half, bfloat16, float, double}")
+    .Attr("Tshape: {int32, int64} = DT_INT32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle norms;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &norms));
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(2, &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+QSGD decoder: output = dtype(signed_level * (norm_of_bucket / levels)) reshaped to shape.
+)doc");
+
+}  // namespace tensorflow
