@@ -20,7 +20,11 @@ from tf_sparsify.pipeline import GradientPipeline
 
 def test_unit_stats_known_vector():
     row = unit_stats(tf.constant([3.0, 4.0]), tf.constant([3.0, 4.0]), tf.constant([3.0, 0.0]))
-    np.testing.assert_array_equal(row.numpy(), [25.0, 25.0, 9.0, 1.0])
+    np.testing.assert_array_equal(row.numpy(), [25.0, 25.0, 9.0, 1.0, 9.0])
+    row = unit_stats(
+        tf.constant([1.0, 0.0]), tf.constant([3.0, 4.0]), tf.constant([3.0, 0.0]), tf.zeros(2)
+    )
+    np.testing.assert_array_equal(row.numpy(), [1.0, 25.0, 9.0, 1.0, 0.0])
 
 
 def test_pipeline_measures_error_feedback_steps():
@@ -30,7 +34,7 @@ def test_pipeline_measures_error_feedback_steps():
     res = pipe.step(
         units, [tf.constant([3.0, 4.0])], [tf.zeros(2)], 0, LocalCollective(), measure=True
     )
-    np.testing.assert_array_equal(res.stats.numpy(), [[25.0, 25.0, 9.0, 1.0]])
+    np.testing.assert_array_equal(res.stats.numpy(), [[25.0, 25.0, 9.0, 1.0, 9.0]])
     s = summarize(res.stats.numpy(), units, ["w"])
     assert s["norm_gap"] == pytest.approx(0.6)
     assert s["norm_gap/w"] == pytest.approx(0.6)
@@ -42,11 +46,21 @@ def test_pipeline_measures_error_feedback_steps():
     res2 = pipe.step(
         units, [tf.zeros(2)], res.residuals, 1, LocalCollective(), measure=tf.constant(True)
     )
-    np.testing.assert_array_equal(res2.stats.numpy(), [[0.0, 9.0, 0.0, 1.0]])
+    np.testing.assert_array_equal(res2.stats.numpy(), [[0.0, 9.0, 0.0, 1.0, 0.0]])
+    s2 = summarize(res2.stats.numpy(), units, ["w"])
+    assert s2["norm_gap"] == 0.0 and s2["grad_norm_gap"] == 0.0 and s2["grad_norm"] == 0.0
+    # a fresh [1, 0.5] on top of the residual [3, 0]: TopK sends 4; alone it would send 1
+    res3 = pipe.step(
+        units, [tf.constant([1.0, 0.5])], res.residuals, 2, LocalCollective(), measure=True
+    )
+    np.testing.assert_allclose(res3.stats.numpy(), [[1.25, 16.25, 0.25, 1.0, 0.25]])
+    s3 = summarize(res3.stats.numpy(), units, ["w"])
+    assert s3["norm_gap"] == pytest.approx(math.sqrt(0.25 / 16.25))
+    assert s3["grad_norm_gap"] == pytest.approx(math.sqrt(0.25 / 1.25))
     off = pipe.step(
         units, [tf.constant([1.0, 2.0])], [tf.zeros(2)], 2, LocalCollective(), measure=False
     )
-    np.testing.assert_array_equal(off.stats.numpy(), np.zeros((1, 4)))
+    np.testing.assert_array_equal(off.stats.numpy(), np.zeros((1, 5)))
     assert pipe.step(units, [tf.ones(2)], [tf.zeros(2)], 3, LocalCollective()).stats is None
 
 
@@ -62,7 +76,8 @@ def test_summary_whole_model_and_dense_units():
     residuals = [tf.zeros(4, tf.float64), None, tf.zeros(3, tf.float64)]
     res = pipe.step(units, grads, residuals, 0, LocalCollective(), measure=True)
     np.testing.assert_array_equal(
-        res.stats.numpy(), [[9.0, 9.0, 5.0, 1.0], [26.0, 26.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0]]
+        res.stats.numpy(),
+        [[9.0, 9.0, 5.0, 1.0, 5.0], [26.0, 26.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]],
     )
     s = summarize(res.stats.numpy(), units, ["a", "b", "c"])
     assert s["norm_gap/a"] == pytest.approx(math.sqrt(5 / 9))
@@ -212,7 +227,7 @@ def test_diagnostics_under_mirrored_strategy(mirrored2):
     for r in diag.records:
         assert r["density"] == pytest.approx(sum(k) / 302)
         assert 0 < r["norm_gap"] <= r["norm_gap_bound"] + 1e-6
-    assert opt.diagnostics.numpy().shape == (4, 4)
+    assert opt.diagnostics.numpy().shape == (4, 5)
 
 
 def test_diagnostics_validation():
@@ -241,6 +256,6 @@ def test_diagnostics_record_is_the_mean_over_replicas(mirrored2):
         mirrored2.run(replica_fn)
 
     step()
-    # replica 0: [25, 25, 9, 1]; replica 1: [1, 1, 0, 1]
-    np.testing.assert_allclose(opt.diagnostics.numpy(), [[13.0, 13.0, 4.5, 1.0]])
+    # replica 0: [25, 25, 9, 1, 9]; replica 1: [1, 1, 0, 1, 0]
+    np.testing.assert_allclose(opt.diagnostics.numpy(), [[13.0, 13.0, 4.5, 1.0, 4.5]])
     assert int(opt.diagnostics_step.numpy()) == 1

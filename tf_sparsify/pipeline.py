@@ -60,7 +60,7 @@ class StepResult:
     finite: tf.Tensor
     #: new momentum buffers (aligned like ``residuals``) when momentum correction is on.
     momenta: list[tf.Tensor | None] | None = None
-    #: ``[len(units), 4]`` float64 rows of :func:`tf_sparsify.heuristics.measure.unit_stats`
+    #: ``[len(units), 5]`` float64 rows of :func:`tf_sparsify.heuristics.measure.unit_stats`
     #: when ``step(..., measure=...)`` was given (zeros on steps where it was False).
     stats: tf.Tensor | None = None
 
@@ -274,7 +274,9 @@ class GradientPipeline:
                 for i, part in zip(unit.indices, _split(remainder, unit.shapes), strict=True):
                     new_residuals[i] = part
         all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
-        stats = None if measure is None else _measure(units, probes, measure)
+        stats = None
+        if measure is not None:
+            stats = _measure(units, probes, measure, step, replica_id)
         return StepResult(updates, new_residuals, all_finite, new_momenta, stats)
 
     def get_config(self) -> dict:
@@ -299,8 +301,8 @@ def bytes_per_step(units: Sequence[Unit]) -> tuple[int, int]:
     return sum(u.wire_bytes for u in units), sum(u.dense_bytes for u in units)
 
 
-def _measure(units: Sequence[Unit], probes: dict, flag) -> tf.Tensor:
-    """``[len(units), 4]`` stats rows, computed only when ``flag`` is True (zeros otherwise)."""
+def _measure(units: Sequence[Unit], probes: dict, flag, step, replica_id) -> tf.Tensor:
+    """``[len(units), 5]`` stats rows, computed only when ``flag`` is True (zeros otherwise)."""
     width = len(STAT_NAMES)
 
     def compute():
@@ -314,7 +316,12 @@ def _measure(units: Sequence[Unit], probes: dict, flag) -> tf.Tensor:
             error = remainder
             if error is None:
                 error = acc - unit.compressor.decompress(payload, ctx)
-            rows.append(unit_stats(g, acc, error))
+            if isinstance(unit.compressor, Identity):
+                grad_error = tf.zeros_like(g)
+            else:  # the same compressor on the fresh gradient alone
+                fresh, fresh_ctx = unit.compressor.compress(g, step, unit.indices[0], replica_id)
+                grad_error = g - unit.compressor.decompress(fresh, fresh_ctx)
+            rows.append(unit_stats(g, acc, error, grad_error))
         return tf.stack(rows) if rows else tf.zeros([0, width], tf.float64)
 
     def skip():

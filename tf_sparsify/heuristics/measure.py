@@ -1,11 +1,13 @@
 """What the papers measure, computed on the real gradients inside the step.
 
-Per message (unit) of one step and replica, :func:`unit_stats` records four numbers:
+Per message (unit) of one step and replica, :func:`unit_stats` records five numbers:
 
 * ``grad_sq``: ``||g||^2`` of the fresh gradient (after local clipping, before momentum);
 * ``input_sq``: ``||x||^2`` of what was compressed (``x = residual + g`` with error feedback);
 * ``error_sq``: ``||x - C(x)||^2`` (with error feedback this is the new residual's norm);
-* ``sent``: the number of non-zero entries of ``C(x)``.
+* ``sent``: the number of non-zero entries of ``C(x)``;
+* ``grad_error_sq``: ``||g - C(g)||^2``, the same compressor applied to the fresh gradient
+  alone (what the gap would be without the accumulated residual).
 
 :func:`summarize` turns them into the papers' quantities: the norm gap ``||x - C(x)|| / ||x||``
 against its worst case ``sqrt(1 - K/n)`` (TopK, paper A), the empirical ``beta =
@@ -23,17 +25,22 @@ import tensorflow as tf
 
 from tf_sparsify.compressors.base import Compressor
 
-STAT_NAMES = ("grad_sq", "input_sq", "error_sq", "sent")
+STAT_NAMES = ("grad_sq", "input_sq", "error_sq", "sent", "grad_error_sq")
 
 
-def unit_stats(grad: tf.Tensor, x: tf.Tensor, error: tf.Tensor) -> tf.Tensor:
-    """``[grad_sq, input_sq, error_sq, sent]`` as float64 (see the module docstring)."""
+def unit_stats(
+    grad: tf.Tensor, x: tf.Tensor, error: tf.Tensor, grad_error: tf.Tensor | None = None
+) -> tf.Tensor:
+    """``[grad_sq, input_sq, error_sq, sent, grad_error_sq]`` as float64 (see the module
+    docstring); without ``grad_error`` the last entry repeats ``error_sq``."""
 
     def sq(t):
         return tf.cast(tf.reduce_sum(tf.square(tf.cast(t, tf.float32))), tf.float64)
 
     sent = tf.math.count_nonzero(tf.not_equal(x - error, 0), dtype=tf.int64)
-    return tf.stack([sq(grad), sq(x), sq(error), tf.cast(sent, tf.float64)])
+    error_sq = sq(error)
+    grad_error_sq = error_sq if grad_error is None else sq(grad_error)
+    return tf.stack([sq(grad), sq(x), error_sq, tf.cast(sent, tf.float64), grad_error_sq])
 
 
 def gap_bound(compressor: Compressor, num_elements: int) -> float | None:
@@ -65,9 +72,10 @@ def summarize(
     names: Sequence[str] | None = None,
     per_unit: bool = True,
 ) -> dict[str, float]:
-    """The papers' quantities from a ``[len(units), 4]`` array of :func:`unit_stats` rows.
+    """The papers' quantities from a ``[len(units), 5]`` array of :func:`unit_stats` rows.
 
     Whole-model keys: ``norm_gap`` (``sqrt(sum error_sq / sum input_sq)`` over every unit),
+    ``grad_norm_gap`` (the same for the compressor applied to the fresh gradient alone),
     ``norm_gap_bound`` (``sqrt(max_u bound_u**2)``, a valid worst case for the whole vector;
     absent when some unit has no bound), ``residual_norm`` (over units with error feedback),
     ``grad_norm``, ``density`` (entries sent / entries), ``wire_density`` (the compressors'
@@ -78,15 +86,16 @@ def summarize(
     names = list(names) if names is not None else [f"unit{i}" for i in range(len(units))]
     out: dict[str, float] = {}
     bounds, betas_ok = [], True
-    total = {"grad_sq": 0.0, "input_sq": 0.0, "error_sq": 0.0, "sent": 0.0, "res_sq": 0.0}
+    total = dict.fromkeys(("grad_sq", "input_sq", "error_sq", "sent", "res_sq", "g_err_sq"), 0.0)
     elements = 0
     for unit, name, row in zip(units, names, stats, strict=True):
-        g_sq, x_sq, e_sq, sent = (float(v) for v in row)
+        g_sq, x_sq, e_sq, sent, g_err_sq = (float(v) for v in row)
         n = unit.num_elements
         elements += n
         for key, value in (("grad_sq", g_sq), ("input_sq", x_sq), ("error_sq", e_sq)):
             total[key] += value
         total["sent"] += sent
+        total["g_err_sq"] += g_err_sq
         if unit.error_feedback:
             total["res_sq"] += e_sq
         bound = gap_bound(unit.compressor, n)
@@ -97,6 +106,7 @@ def summarize(
             betas_ok = False
         if per_unit:
             out[f"norm_gap/{name}"] = _ratio(e_sq, x_sq)
+            out[f"grad_norm_gap/{name}"] = _ratio(g_err_sq, g_sq)
             if bound is not None:
                 out[f"norm_gap_bound/{name}"] = bound
             if b_bound is not None and compressed:
@@ -106,6 +116,7 @@ def summarize(
                 out[f"residual_norm/{name}"] = math.sqrt(e_sq)
             out[f"density/{name}"] = sent / n
     out["norm_gap"] = _ratio(total["error_sq"], total["input_sq"])
+    out["grad_norm_gap"] = _ratio(total["g_err_sq"], total["grad_sq"])
     if bounds and all(b is not None for b in bounds):
         out["norm_gap_bound"] = math.sqrt(max(b * b for b in bounds))
     out["residual_norm"] = math.sqrt(total["res_sq"])

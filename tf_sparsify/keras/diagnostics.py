@@ -3,13 +3,14 @@
 The optimizer sees the gradients, a callback does not: with diagnostics on, the
 :class:`~tf_sparsify.keras.SparsifiedOptimizer` measures every N steps, inside the train step
 (``tf.cond`` on its step counter, so other steps pay one comparison), what it compressed and
-stores four numbers per message in a small optimizer variable (see
+stores five numbers per message in a small optimizer variable (see
 :mod:`tf_sparsify.heuristics.measure`). This callback reads that record after each batch and
 turns it into:
 
 * ``norm_gap``: ``||x - C(x)|| / ||x||`` of the vector actually compressed (with error feedback
   ``x = residual + gradient``), and ``norm_gap_bound``, its worst case (``sqrt(1 - K/n)`` for
-  TopK; for several messages the largest of theirs);
+  TopK; for several messages the largest of theirs); ``grad_norm_gap``, the same compressor's
+  gap on the fresh gradient alone (without the residual it would otherwise be added to);
 * ``beta`` and ``beta_bound`` for unbiased quantizers: ``||Q(v) - v||^2 / ||v||^2`` on the real
   gradient against ``variance_bound(d)``;
 * ``residual_norm`` (after the step), ``grad_norm``, ``density`` (entries sent / entries) and
@@ -35,17 +36,6 @@ from tensorflow.core.framework import summary_pb2
 
 from tf_sparsify.heuristics.measure import summarize
 from tf_sparsify.keras.optimizer import find_sparsified
-
-_GLOBAL_KEYS = (
-    "norm_gap",
-    "norm_gap_bound",
-    "beta",
-    "beta_bound",
-    "residual_norm",
-    "grad_norm",
-    "density",
-    "wire_density",
-)
 
 
 class CompressionDiagnostics(keras.callbacks.Callback):
@@ -196,6 +186,8 @@ def plot_diagnostics(
         ax.plot(steps, series(f"norm_gap/{name}"), color=c, lw=1, label=name)
         ax.plot(steps, series(f"norm_gap_bound/{name}"), color=c, lw=0.8, ls=":")
     ax.plot(steps, series("norm_gap"), color="k", lw=2, label="whole model")
+    if any("grad_norm_gap" in r for r in records):
+        ax.plot(steps, series("grad_norm_gap"), color="0.5", lw=1.5, label="fresh gradient only")
     ax.plot(steps, series("norm_gap_bound"), color="k", lw=1.2, ls="--", label="worst case")
     ax.set(xlabel="step", ylabel="||x - C(x)|| / ||x||", title="norm gap")
     ax.set_ylim(bottom=0)

@@ -190,7 +190,7 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def diagnostics(self):
-        """The ``[units, 4]`` diagnostics variable (``None`` until diagnostics are enabled and
+        """The ``[units, 5]`` diagnostics variable (``None`` until diagnostics are enabled and
         the optimizer is built); rows follow ``diagnostics_names``, columns
         :data:`~tf_sparsify.heuristics.measure.STAT_NAMES`."""
         return self._diagnostics
