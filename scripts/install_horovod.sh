@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# Build and install Horovod 0.28.1 (TensorFlow + Gloo, no MPI/PyTorch/MXNet) into a virtualenv
+# that already has TensorFlow 2.21 installed.
+#
+# Usage: scripts/install_horovod.sh [VENV]          (VENV defaults to .venv)
+#
+# Horovod 0.28.1 does not build from PyPI as-is against TF 2.21: its optional XLA ops source
+# (horovod/tensorflow/xla_mpi_ops.cc) includes XLA headers that have moved. We download the
+# sdist, drop that one source from the TensorFlow CMake target and build with the system cmake.
+#
+# The script is idempotent: if `import horovod.tensorflow` works in VENV and
+# `horovodrun --check-build` lists TensorFlow and Gloo, it exits at once.
+#
+# Environment knobs:
+#   HOROVOD_REINSTALL=1   rebuild even when a working Horovod is already installed
+#   HOROVOD_BUILD_JOBS=N  parallel compile jobs (default: number of CPUs, at most 8)
+#   HOROVOD_CMAKE=PATH    cmake binary to use (default: /usr/bin/cmake, else cmake on PATH,
+#                         else `apt-get install cmake`)
+#   KEEP_BUILD_DIR=1      keep the temporary build directory
+set -euo pipefail
+
+HOROVOD_VERSION=0.28.1
+START_SECONDS=$SECONDS
+
+log() { printf '[install_horovod] %s\n' "$*" >&2; }
+die() {
+    printf '\n[install_horovod] ERROR: %s\n' "$*" >&2
+    exit 1
+}
+
+VENV_ARG=${1:-.venv}
+[[ -d "$VENV_ARG" ]] || die "virtualenv '$VENV_ARG' does not exist (pass the venv path as first argument)"
+VENV=$(cd "$VENV_ARG" && pwd)
+PY="$VENV/bin/python"
+[[ -x "$PY" ]] || die "'$PY' is not an executable python; is '$VENV' a virtualenv?"
+
+# Keep TensorFlow's start-up chatter out of our checks.
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
+
+# ---------------------------------------------------------------------------------------------
+# 0. Already installed?
+# ---------------------------------------------------------------------------------------------
+check_build_ok() {
+    # Prints the check-build report on success; returns non-zero if anything is missing.
+    # Note: check-build only tests that `import horovod.<framework>` succeeds, and in 0.28.1
+    # `import horovod.torch` merely warns when its library is missing, so it shows "[X] PyTorch"
+    # even without PyTorch. The import below loads the TensorFlow op library for real.
+    local out
+    "$PY" -c "import horovod.tensorflow as hvd; assert hvd.gloo_built()" >/dev/null 2>&1 || return 1
+    [[ -x "$VENV/bin/horovodrun" ]] || return 1
+    out=$("$VENV/bin/horovodrun" --check-build 2>/dev/null) || return 1
+    grep -Eq '\[X\] TensorFlow' <<<"$out" || return 1
+    grep -Eq '\[X\] Gloo' <<<"$out" || return 1
+    printf '%s\n' "$out"
+}
+
+if [[ "${HOROVOD_REINSTALL:-0}" != 1 ]] && report=$(check_build_ok); then
+    log "$(sed -n '1p' <<<"$report" | tr -d ':') with TensorFlow and Gloo is already installed in" \
+        "$VENV; nothing to do ($((SECONDS - START_SECONDS))s). Set HOROVOD_REINSTALL=1 to rebuild."
+    exit 0
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 1. Preconditions: TensorFlow in the venv, compilers and cmake on the machine.
+# ---------------------------------------------------------------------------------------------
+TF_VERSION=$("$PY" -c "import tensorflow as tf; print(tf.__version__)" 2>/dev/null | tail -n1) ||
+    die "TensorFlow cannot be imported from $PY; install tensorflow-cpu into the venv first"
+log "venv: $VENV (python $("$PY" -c 'import platform; print(platform.python_version())'), TensorFlow $TF_VERSION)"
+
+APT_UPDATED=0
+apt_install() {
+    # apt_install PACKAGE...: install Debian packages (only called for missing tools).
+    command -v apt-get >/dev/null 2>&1 ||
+        die "missing build tools ($*) and apt-get is not available; install them by hand"
+    local sudo=()
+    if [[ $(id -u) -ne 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || die "need root (or sudo) to apt-get install $*"
+        sudo=(sudo)
+    fi
+    log "installing Debian packages: $*"
+    if [[ $APT_UPDATED -eq 0 ]]; then
+        DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get update -qq ||
+            die "apt-get update failed"
+        APT_UPDATED=1
+    fi
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "$@" ||
+        die "apt-get install $* failed"
+}
+
+missing_pkgs=()
+command -v gcc >/dev/null 2>&1 || missing_pkgs+=(gcc)
+command -v g++ >/dev/null 2>&1 || missing_pkgs+=(g++)
+command -v make >/dev/null 2>&1 || missing_pkgs+=(make)
+command -v tar >/dev/null 2>&1 || missing_pkgs+=(tar)
+if [[ -z "${HOROVOD_CMAKE:-}" && ! -x /usr/bin/cmake ]] && ! command -v cmake >/dev/null 2>&1; then
+    missing_pkgs+=(cmake)
+fi
+if [[ ${#missing_pkgs[@]} -gt 0 ]]; then
+    apt_install "${missing_pkgs[@]}"
+fi
+
+# Prefer the system cmake (Debian 12: 3.25) over e.g. a pip-installed cmake 4 earlier on PATH.
+if [[ -n "${HOROVOD_CMAKE:-}" ]]; then
+    CMAKE_BIN=$HOROVOD_CMAKE
+elif [[ -x /usr/bin/cmake ]]; then
+    CMAKE_BIN=/usr/bin/cmake
+else
+    CMAKE_BIN=$(command -v cmake) || die "no cmake found"
+fi
+CMAKE_VERSION=$("$CMAKE_BIN" --version 2>/dev/null | sed -n 's/^cmake version \([0-9][0-9.]*\).*/\1/p') ||
+    true
+[[ -n "$CMAKE_VERSION" ]] || die "cannot determine the version of cmake '$CMAKE_BIN'"
+CMAKE_MAJOR=${CMAKE_VERSION%%.*}
+CMAKE_MINOR=${CMAKE_VERSION#*.}
+CMAKE_MINOR=${CMAKE_MINOR%%.*}
+if ((CMAKE_MAJOR < 3 || (CMAKE_MAJOR == 3 && CMAKE_MINOR < 13))); then
+    die "cmake $CMAKE_VERSION at $CMAKE_BIN is too old; Horovod needs cmake >= 3.13"
+fi
+if ((CMAKE_MAJOR >= 4)); then
+    # gloo's bundled CMakeLists declares cmake_minimum_required < 3.5, which cmake 4 rejects.
+    export CMAKE_POLICY_VERSION_MINIMUM=3.5
+    log "cmake $CMAKE_VERSION ($CMAKE_BIN): setting CMAKE_POLICY_VERSION_MINIMUM=3.5"
+else
+    log "cmake $CMAKE_VERSION ($CMAKE_BIN)"
+fi
+export HOROVOD_CMAKE=$CMAKE_BIN
+
+if [[ -n "${HOROVOD_BUILD_JOBS:-}" ]]; then
+    JOBS=$HOROVOD_BUILD_JOBS
+else
+    JOBS=$(nproc 2>/dev/null || echo 2)
+    if ((JOBS > 8)); then JOBS=8; fi
+fi
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || die "HOROVOD_BUILD_JOBS must be a positive integer, got '$JOBS'"
+
+# ---------------------------------------------------------------------------------------------
+# 2. Work in a temporary directory; all tool output goes to a log shown on failure.
+# ---------------------------------------------------------------------------------------------
+WORKDIR=$(mktemp -d "${TMPDIR:-/tmp}/install_horovod.XXXXXX")
+LOG="$WORKDIR/build.log"
+cleanup() {
+    local rc=$?
+    if [[ $rc -ne 0 ]]; then
+        local saved="${TMPDIR:-/tmp}/install_horovod-$(date +%Y%m%d-%H%M%S).log"
+        cp "$LOG" "$saved" 2>/dev/null || true
+        printf '[install_horovod] FAILED after %ss; full log: %s\n' "$((SECONDS - START_SECONDS))" \
+            "$saved" >&2
+    fi
+    if [[ "${KEEP_BUILD_DIR:-0}" == 1 ]]; then
+        log "build directory kept: $WORKDIR"
+    else
+        rm -rf "$WORKDIR"
+    fi
+}
+trap cleanup EXIT
+
+step() {
+    # step "DESCRIPTION" CMD...: run CMD with output appended to $LOG; on failure show the
+    # end of the log and stop.
+    local desc=$1 t0=$SECONDS
+    shift
+    log "$desc ..."
+    printf '\n===== %s\n$ %s\n' "$desc" "$*" >>"$LOG"
+    if ! "$@" >>"$LOG" 2>&1; then
+        printf '\n----- last lines of the log -----\n' >&2
+        tail -n 60 "$LOG" >&2
+        die "step failed: $desc"
+    fi
+    log "  done in $((SECONDS - t0))s"
+}
+
+step "installing build helpers into the venv (cloudpickle psutil pyyaml packaging cffi setuptools wheel)" \
+    "$PY" -m pip install --disable-pip-version-check cloudpickle psutil pyyaml packaging cffi setuptools wheel
+
+step "downloading the horovod==$HOROVOD_VERSION sdist" \
+    "$PY" -m pip download --disable-pip-version-check --no-deps --no-binary :all: --no-build-isolation \
+    "horovod==$HOROVOD_VERSION" -d "$WORKDIR/dl"
+
+SDIST=$(ls "$WORKDIR"/dl/horovod-"$HOROVOD_VERSION".tar.gz 2>/dev/null) ||
+    die "pip download did not produce horovod-$HOROVOD_VERSION.tar.gz in $WORKDIR/dl"
+step "unpacking $(basename "$SDIST")" tar -xzf "$SDIST" -C "$WORKDIR"
+SRC="$WORKDIR/horovod-$HOROVOD_VERSION"
+TF_CMAKELISTS="$SRC/horovod/tensorflow/CMakeLists.txt"
+[[ -f "$TF_CMAKELISTS" ]] || die "unexpected sdist layout: $TF_CMAKELISTS is missing"
+
+log "removing xla_mpi_ops.cc from horovod/tensorflow/CMakeLists.txt"
+grep -q 'xla_mpi_ops\.cc' "$TF_CMAKELISTS" ||
+    die "no line naming xla_mpi_ops.cc in $TF_CMAKELISTS; the sdist is not the expected one"
+sed -i '/xla_mpi_ops\.cc/d' "$TF_CMAKELISTS"
+! grep -q 'xla_mpi_ops\.cc' "$TF_CMAKELISTS" || die "could not remove xla_mpi_ops.cc from $TF_CMAKELISTS"
+
+log "building (make -j$JOBS; about 2.5 minutes on 2 cores); log: $LOG"
+step "building and installing horovod $HOROVOD_VERSION" \
+    env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+    HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 MAKEFLAGS="-j$JOBS" \
+    "$PY" -m pip install --disable-pip-version-check --no-build-isolation --no-deps --no-cache-dir \
+    "$SRC"
+
+# ---------------------------------------------------------------------------------------------
+# 3. Verify.
+# ---------------------------------------------------------------------------------------------
+log "verifying with horovodrun --check-build (about 30s)"
+"$PY" -c "import horovod.tensorflow as hvd; assert hvd.gloo_built(), 'not built with Gloo'" \
+    >>"$LOG" 2>&1 || {
+    tail -n 30 "$LOG" >&2
+    die "horovod was installed but 'import horovod.tensorflow' fails or lacks Gloo"
+}
+[[ -x "$VENV/bin/horovodrun" ]] || die "horovod was installed but $VENV/bin/horovodrun is missing"
+report=$("$VENV/bin/horovodrun" --check-build 2>>"$LOG") || {
+    printf '%s\n' "$report" >&2
+    tail -n 30 "$LOG" >&2
+    die "'horovodrun --check-build' failed"
+}
+printf '%s\n' "$report"
+grep -Eq '\[X\] TensorFlow' <<<"$report" || die "horovodrun --check-build does not list TensorFlow"
+grep -Eq '\[X\] Gloo' <<<"$report" || die "horovodrun --check-build does not list Gloo"
+
+log "Horovod $HOROVOD_VERSION installed into $VENV in $((SECONDS - START_SECONDS))s"
