@@ -1,0 +1,106 @@
+"""The step-size theory of compressed, delayed gradients (Khirirat, Feyzmahdavian, Johansson 2018).
+
+- :func:`max_step_size`: the admissible step size under bounded staleness ``tau``.
+- :func:`variance_bound`, :func:`ternary_variance`: the compression accuracy ``beta`` of an
+  unbiased random quantizer, ``E||Q(v) - v||^2 <= beta ||v||^2``.
+- :func:`smoothness_least_squares`, :func:`smoothness_logistic`: the smoothness constant ``L`` of
+  the two classic objectives on a data matrix, by power iteration.
+
+Objectives, for a data matrix ``X`` of ``n`` rows (a row per sample):
+``least squares  f(w) = ||X w - y||^2 / (2 n) + l2 ||w||^2 / 2`` and
+``logistic       f(w) = mean_i log(1 + exp(-y_i x_i^T w)) + l2 ||w||^2 / 2``, ``y_i = +-1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tf_sparsify.compressors.base import Compressor
+from tf_sparsify.distribute.servers import check_delay
+
+
+def max_step_size(L: float, tau: int) -> float:
+    """``2 / (L (1 + sqrt(1 + 8 tau (tau + 1))))``: steps below it converge with delays <= tau.
+
+    ``tau = 0`` gives ``1 / L``. The bound is sufficient, not tight: on a quadratic, gradient
+    descent with a fixed delay ``tau`` is stable up to ``2 sin(pi / (2 (2 tau + 1))) / L``,
+    2.2 to 2.6 times larger for ``tau >= 1`` (and ``2 / L`` for ``tau = 0``).
+    """
+    if isinstance(L, bool) or not isinstance(L, int | float) or not math.isfinite(L) or L <= 0:
+        raise ValueError(f"`L` must be a finite number > 0; received L={L!r}")
+    tau = check_delay(tau, "tau")
+    return 2.0 / (L * (1.0 + math.sqrt(1.0 + 8.0 * tau * (tau + 1))))
+
+
+def variance_bound(compressor: Compressor, num_elements: int) -> float:
+    """``beta`` of an unbiased quantizer on a tensor of ``num_elements`` entries.
+
+    RandomK: ``d/k - 1``; QSGD with ``s`` levels and buckets of ``b``: ``min(b/s^2, sqrt(b)/s)``;
+    TernGrad: ``sqrt(d) - 1``; Identity: 0. Biased compressors (TopK, ScaledSign, FP16) are
+    not URQs: ValueError.
+    """
+    if not isinstance(compressor, Compressor) or not compressor.unbiased:
+        raise ValueError(
+            "`compressor` must be an unbiased tf_sparsify compressor (a URQ); "
+            f"received compressor={compressor!r}"
+        )
+    if isinstance(num_elements, bool) or not isinstance(num_elements, int) or num_elements < 1:
+        raise ValueError(
+            f"`num_elements` must be an integer >= 1; received num_elements={num_elements!r}"
+        )
+    return float(compressor.variance_bound(num_elements))
+
+
+def ternary_variance(v) -> float:
+    """TernGrad's exact ``beta`` on ``v``: ``||v||_inf ||v||_1 / ||v||^2 - 1`` (<= sqrt(d) - 1)."""
+    v = np.asarray(v, dtype=np.float64).ravel()
+    sq = float(v @ v)
+    if sq == 0:
+        return 0.0
+    return float(np.abs(v).max() * np.abs(v).sum() / sq - 1.0)
+
+
+def largest_eigenvalue(X, iterations: int = 1000, tol: float = 1e-10, seed: int = 0) -> float:
+    """The largest eigenvalue of ``X^T X`` by power iteration from a seeded random start.
+
+    Stops when the estimate changes by less than ``tol`` (relative) between iterations.
+    """
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim != 2 or X.size == 0 or not np.isfinite(X).all():
+        raise ValueError(
+            f"`X` must be a non-empty, finite 2-D data matrix; received shape={X.shape}"
+        )
+    v = np.random.default_rng(seed).standard_normal(X.shape[1])
+    v /= np.linalg.norm(v)
+    estimate = 0.0
+    for _ in range(iterations):
+        w = X.T @ (X @ v)
+        new = float(v @ w)
+        norm = np.linalg.norm(w)
+        if norm == 0:
+            return 0.0
+        v = w / norm
+        if abs(new - estimate) <= tol * abs(new):
+            return new
+        estimate = new
+    return estimate
+
+
+def smoothness_least_squares(X, l2: float = 0.0) -> float:
+    """``L = lambda_max(X^T X) / n + l2`` of the mean least-squares objective."""
+    X = np.asarray(X, dtype=np.float64)
+    return largest_eigenvalue(X) / X.shape[0] + _check_l2(l2)
+
+
+def smoothness_logistic(X, l2: float = 0.0) -> float:
+    """``L = lambda_max(X^T X) / (4 n) + l2`` of the mean logistic loss (sigmoid' <= 1/4)."""
+    X = np.asarray(X, dtype=np.float64)
+    return largest_eigenvalue(X) / (4.0 * X.shape[0]) + _check_l2(l2)
+
+
+def _check_l2(l2) -> float:
+    if isinstance(l2, bool) or not isinstance(l2, int | float) or not math.isfinite(l2) or l2 < 0:
+        raise ValueError(f"`l2` must be a finite number >= 0; received l2={l2!r}")
+    return float(l2)
