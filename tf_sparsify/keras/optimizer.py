@@ -275,7 +275,7 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         record = None
         if self.diagnostics_every and self._diagnostics is not None:
             record = tf.equal(self._iterations % self.diagnostics_every, 0)
-        result = self.exchange(ordered, current_collective(), measure=record)
+        result = self.exchange(ordered, self.collective(), measure=record)
         with backend.name_scope(self.name, caller=self):
             self._write_residuals(result)
             if record is not None:
@@ -290,6 +290,13 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         ]
         if pairs:
             self.inner_optimizer.apply([u for u, _ in pairs], [v for _, v in pairs])
+
+    def collective(self) -> Collective:
+        """How this step's payloads travel: tf.distribute's replica context, or nowhere.
+
+        Front ends with their own transport (Horovod) override this and nothing else.
+        """
+        return current_collective()
 
     def exchange(self, grads: list, collective: Collective, measure=None) -> StepResult:
         """Run the pipeline on gradients in build order, with this step's RNG key."""
