@@ -185,7 +185,7 @@ def _check_qsgd_attrs(levels: Any, bucket_size: Any) -> tuple[int, int]:
 def qsgd_quantize(
     tensor: tf.Tensor, levels: int, bucket_size: int, seed: tf.Tensor
 ) -> tuple[tf.Tensor, tf.Tensor]:
-    """QSGD: ``(signed_levels, norms)``, int8 levels for ``levels <= 127`` else int16.
+    """QSGD: flat ``(signed_levels, norms)``, int8 levels for ``levels <= 127`` else int16.
 
     Buckets of ``bucket_size`` flat entries (0: the whole tensor) are scaled by their float32
     L2 norm and rounded stochastically with ``hash_uniform(seed, i)``, so the same seed gives

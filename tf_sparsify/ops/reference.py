@@ -12,8 +12,9 @@ These define the semantics the compiled kernels must reproduce bit for bit:
   taken in float64 in a fixed order (the bucket zero-padded to a power of two, adjacent pairs
   added level by level) so that every implementation gets the same bits;
   ``r = |x| / norm * levels``, ``level = floor(r) + (u < r - floor(r))`` with
-  ``u = hash_uniform(seed, flat_index)``; the payload is ``sign(x) * level`` as int8
-  (levels <= 127) or int16, plus the float32 norms.
+  ``u = hash_uniform(seed, flat_index)``, capped at ``levels``; the payload is
+  ``sign(x) * level`` as int8 (levels <= 127) or int16 (0 where the level is NaN), plus the
+  float32 norms.
 * ``hash_uniform``: a counter-based uniform in [0, 1) shared with the kernels, so the compiled
   QSGD and this reference give identical payloads for the same seed.
 """
@@ -141,6 +142,8 @@ def qsgd_quantize(
     up = tf.cast(hash_uniform(seed, n) < ratio - floor, tf.float32)
     level = tf.minimum(floor + up, float(levels))
     signed = tf.where(flat < 0, -level, level)
+    # NaN (a NaN entry, or Inf / Inf in a bucket holding Inf) has no integer value: level 0.
+    signed = tf.where(tf.math.is_nan(signed), tf.zeros_like(signed), signed)
     return tf.cast(signed, level_dtype(levels)), norms
 
 

@@ -94,7 +94,7 @@ class QsgdQuantizeGpuOp : public OpKernel {
     const int64_t n = input.NumElements();
     Tensor* levels_out = nullptr;
     Tensor* norms_out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, input.shape(), &levels_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &levels_out));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             1, TensorShape({tfs::NumBuckets(n, bucket_size_)}), &norms_out));
     if (n == 0) return;

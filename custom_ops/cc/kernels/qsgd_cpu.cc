@@ -98,7 +98,7 @@ class QsgdQuantizeCpuOp : public OpKernel {
     const int64_t buckets = tfs::NumBuckets(n, bucket_size_);
     Tensor* levels_out = nullptr;
     Tensor* norms_out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, input.shape(), &levels_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &levels_out));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({buckets}), &norms_out));
     if (n == 0) return;
     const T* x = input.flat<T>().data();

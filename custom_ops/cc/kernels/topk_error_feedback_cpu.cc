@@ -1,22 +1,36 @@
-// CPU kernel of TopKErrorFeedback: multi-threaded radix selection on magnitude keys.
+// CPU kernel of TopKErrorFeedback: multi-threaded selection on magnitude keys.
 //
 // The flat tensor is split into one contiguous chunk per worker thread; every pass uses the
 // same chunks, so per-chunk counts from one pass give exact output offsets in a later one.
-//   1. acc = grad + residual is written to new_residual while each chunk histograms the top
-//      digit of its keys. The digit holding the k-th largest key defines a band [lo, hi]:
-//      keys above it are selected, `need` more come from the band.
-//   2. Until the band is resolved (need == 0, need == all of it, or a single key), either
-//      its keys are gathered (when few) and the exact k-th key is found among them, or one
-//      more read-only pass histograms the next digit inside the band.
-//   3. A last pass emits, in ascending index order, keys above the band plus the first
-//      `need` band members by index, and zeroes them in new_residual.
+// Fast path (k <= n / 8): the k-th largest key is estimated from a strided sample of
+// grad + residual; one fused pass writes acc = grad + residual to new_residual and gathers
+// (index, value) of every entry whose key reaches the estimate. When that set holds at least
+// k entries, the exact k-th key and its ties are resolved among them and the outputs are
+// written from it: one pass over memory in all. Otherwise (and when k > n / 8) radix selection:
+//   1. Histogram the top digit of the keys (fused with the add when it has not run yet). The
+//      digit holding the k-th largest key defines a band [lo, hi]: keys above it are selected,
+//      `need` more come from the band.
+//   2. Until the band is resolved (need == 0, need == all of it, or a single key), either its
+//      keys are gathered (when few) and the exact k-th key is found among them, or one more
+//      read-only pass histograms the next digit inside the band.
+//   3. A last pass emits, in ascending index order, keys above the band plus the first `need`
+//      band members by index, and zeroes them in new_residual.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#if defined(__SSE4_2__)
+#include <nmmintrin.h>
+#endif
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -32,8 +46,10 @@ namespace {
 constexpr int64_t kMinChunk = int64_t{1} << 15;
 constexpr int64_t kMaxChunk = int64_t{1} << 31;  // keeps uint32 histogram counters exact
 constexpr int64_t kBlock = 1024;                 // fused add + histogram step
-constexpr int64_t kScan = 32;                    // vectorized "anything here?" test
+constexpr int64_t kScan = 16;                    // vectorized "anything here?" test
 constexpr int64_t kMinGather = int64_t{1} << 16;
+constexpr int64_t kMinSampled = int64_t{1} << 16;  // smallest n for the sampled fast path
+constexpr int64_t kMaxSamples = int64_t{1} << 15;
 
 template <typename T>
 using KeyT = typename tfs::KeyOf<sizeof(T)>::Bits;
@@ -74,25 +90,36 @@ void AddInPlace(T* __restrict__ out, const T* __restrict__ a, int64_t len) {
   for (int64_t i = 0; i < len; ++i) out[i] += a[i];
 }
 
-// acc[b:e] = grad + residual (acc may be residual); histograms key >> shift into h0/h1
-// (two copies halve store-to-load stalls on repeated bins) unless h0 is null.
+// acc[b:e] = grad + residual (acc may be residual).
+template <typename T>
+void Add(const T* grad, const T* residual, T* acc, int64_t b, int64_t e) {
+  if (acc == residual) {
+    AddInPlace(acc + b, grad + b, e - b);
+  } else {
+    AddInto(acc + b, grad + b, residual + b, e - b);
+  }
+}
+
+// Histograms key >> shift of acc[b:e] into h0/h1 (two copies halve store-to-load stalls on
+// repeated bins).
+template <typename T>
+void Histogram(const T* acc, int64_t b, int64_t e, int shift, uint32_t* h0, uint32_t* h1) {
+  int64_t i = b;
+  for (; i + 1 < e; i += 2) {
+    ++h0[KeyAt(acc + i) >> shift];
+    ++h1[KeyAt(acc + i + 1) >> shift];
+  }
+  if (i < e) ++h0[KeyAt(acc + i) >> shift];
+}
+
+// Add and Histogram fused block by block (the block is still in L1 when histogrammed).
 template <typename T>
 void AddAndHistogram(const T* grad, const T* residual, T* acc, int64_t b, int64_t e, int shift,
                      uint32_t* h0, uint32_t* h1) {
   for (int64_t i0 = b; i0 < e; i0 += kBlock) {
-    const int64_t len = std::min(e - i0, kBlock);
-    if (acc == residual) {
-      AddInPlace(acc + i0, grad + i0, len);
-    } else {
-      AddInto(acc + i0, grad + i0, residual + i0, len);
-    }
-    if (h0 == nullptr) continue;
-    int64_t i = i0;
-    for (; i + 1 < i0 + len; i += 2) {
-      ++h0[KeyAt(acc + i) >> shift];
-      ++h1[KeyAt(acc + i + 1) >> shift];
-    }
-    if (i < i0 + len) ++h0[KeyAt(acc + i) >> shift];
+    const int64_t i1 = std::min(e, i0 + kBlock);
+    Add(grad, residual, acc, i0, i1);
+    Histogram(acc, i0, i1, shift, h0, h1);
   }
 }
 
@@ -137,20 +164,71 @@ void PickDigit(const std::vector<uint32_t>& hist, int64_t stride, int64_t bins, 
   band->hi = static_cast<Key>(band->lo + ((static_cast<Key>(1) << shift) - 1));
 }
 
-// True when any key in [p, p + len) is >= lo (a loop the compiler vectorizes).
+// Bit j (j < kScan) is set when lo <= key(p[j]) <= hi.
 template <typename T>
-inline bool AnyAtLeast(const T* p, int64_t len, KeyT<T> lo) {
-  bool any = false;
-  for (int64_t i = 0; i < len; ++i) any |= KeyAt(p + i) >= lo;
-  return any;
+inline uint32_t BandMask(const T* p, KeyT<T> lo, KeyT<T> hi) {
+#if defined(__SSE4_2__)
+  // Keys fit the signed lanes; lo - 1 >= -1 and "not above hi" avoid overflow at the ends.
+  constexpr int kVectors = kScan * sizeof(T) / 16;
+  __m128i in[kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + v);
+    if constexpr (sizeof(T) == 2) {
+      const __m128i key = _mm_and_si128(bits, _mm_set1_epi16(0x7FFF));
+      in[v] = _mm_andnot_si128(_mm_cmpgt_epi16(key, _mm_set1_epi16(static_cast<int16_t>(hi))),
+                               _mm_cmpgt_epi16(key, _mm_set1_epi16(static_cast<int16_t>(lo - 1))));
+    } else if constexpr (sizeof(T) == 4) {
+      const __m128i key = _mm_and_si128(bits, _mm_set1_epi32(0x7FFFFFFF));
+      in[v] = _mm_andnot_si128(_mm_cmpgt_epi32(key, _mm_set1_epi32(static_cast<int32_t>(hi))),
+                               _mm_cmpgt_epi32(key, _mm_set1_epi32(static_cast<int32_t>(lo) - 1)));
+    } else {
+      const __m128i key = _mm_and_si128(bits, _mm_set1_epi64x(0x7FFFFFFFFFFFFFFFll));
+      in[v] = _mm_andnot_si128(
+          _mm_cmpgt_epi64(key, _mm_set1_epi64x(static_cast<int64_t>(hi))),
+          _mm_cmpgt_epi64(key, _mm_set1_epi64x(static_cast<int64_t>(lo) - 1)));
+    }
+  }
+  uint32_t mask = 0;
+  if constexpr (sizeof(T) == 2) {
+    mask = static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(in[0], in[1])));
+  } else if constexpr (sizeof(T) == 4) {
+    for (int v = 0; v < kVectors; ++v) {
+      mask |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(in[v]))) << (4 * v);
+    }
+  } else {
+    for (int v = 0; v < kVectors; ++v) {
+      mask |= static_cast<uint32_t>(_mm_movemask_pd(_mm_castsi128_pd(in[v]))) << (2 * v);
+    }
+  }
+  return mask;
+#else
+  uint32_t mask = 0;
+  for (int64_t j = 0; j < kScan; ++j) {
+    const KeyT<T> key = KeyAt(p + j);
+    mask |= static_cast<uint32_t>(key >= lo && key <= hi) << j;
+  }
+  return mask;
+#endif
+}
+
+// Calls f(i) for every i in [b, e), ascending, whose key lies in [lo, hi].
+template <typename T, typename F>
+inline void ForEachInBand(const T* acc, int64_t b, int64_t e, KeyT<T> lo, KeyT<T> hi, F&& f) {
+  int64_t i0 = b;
+  for (; i0 + kScan <= e; i0 += kScan) {
+    for (uint32_t m = BandMask(acc + i0, lo, hi); m != 0; m &= m - 1) {
+      f(i0 + __builtin_ctz(m));
+    }
+  }
+  for (; i0 < e; ++i0) {
+    const KeyT<T> key = KeyAt(acc + i0);
+    if (key >= lo && key <= hi) f(i0);
+  }
 }
 
 template <typename T>
-inline bool AnyInBand(const T* p, int64_t len, KeyT<T> lo, KeyT<T> span) {
-  bool any = false;
-  for (int64_t i = 0; i < len; ++i) any |= static_cast<KeyT<T>>(KeyAt(p + i) - lo) <= span;
-  return any;
-}
+constexpr KeyT<T> kMaxKey = static_cast<KeyT<T>>(
+    (KeyT<T>{1} << (tfs::KeyOf<sizeof(T)>::kBits - 1) << 1) - 1);
 
 // Gathers the band's keys and resolves it to the single key of the need-th largest.
 template <typename T>
@@ -160,19 +238,10 @@ void GatherAndResolve(OpKernelContext* ctx, const T* acc, const Chunks& chunks,
   std::vector<int64_t> offset(chunks.count + 1, 0);
   for (int64_t c = 0; c < chunks.count; ++c) offset[c + 1] = offset[c] + band->in[c];
   std::vector<Key> keys(offset[chunks.count]);
-  const Key lo = band->lo;
-  const Key span = static_cast<Key>(band->hi - band->lo);
   ForEachChunk(ctx, chunks.count, [&](int64_t c) {
     Key* out = keys.data() + offset[c];
-    const int64_t e = chunks.End(c);
-    for (int64_t i0 = chunks.Begin(c); i0 < e; i0 += kScan) {
-      const int64_t i1 = std::min(e, i0 + kScan);
-      if (!AnyInBand(acc + i0, i1 - i0, lo, span)) continue;
-      for (int64_t i = i0; i < i1; ++i) {
-        const Key key = KeyAt(acc + i);
-        if (static_cast<Key>(key - lo) <= span) *out++ = key;
-      }
-    }
+    ForEachInBand(acc, chunks.Begin(c), chunks.End(c), band->lo, band->hi,
+                  [&](int64_t i) { *out++ = KeyAt(acc + i); });
   });
   std::vector<Key> order(keys);
   std::nth_element(order.begin(), order.begin() + (band->need - 1), order.end(),
@@ -192,38 +261,171 @@ void GatherAndResolve(OpKernelContext* ctx, const T* acc, const Chunks& chunks,
   band->lo = band->hi = kth;
 }
 
-template <typename T, typename Index>
-void TopKErrorFeedbackCpu(OpKernelContext* ctx, const T* grad, const T* residual, T* acc,
-                          int64_t n, int64_t k, T* values, Index* indices) {
-  using Key = KeyT<T>;
-  constexpr int kKeyBits = tfs::KeyOf<sizeof(T)>::kBits;
-  const int64_t threads =
-      std::max(1, ctx->device()->tensorflow_cpu_worker_threads()->num_threads);
-  Chunks chunks{n, std::clamp<int64_t>(n / kMinChunk, 1, threads)};
-  chunks.count = std::max(chunks.count, (n + kMaxChunk - 1) / kMaxChunk);
-
-  if (k == 0) {
-    ForEachChunk(ctx, chunks.count, [&](int64_t c) {
-      AddAndHistogram(grad, residual, acc, chunks.Begin(c), chunks.End(c), 0, nullptr, nullptr);
-    });
-    return;
-  }
-
-  // Pass 1: fused add and top-digit histogram (16-bit keys are histogrammed whole).
-  const int width0 = kKeyBits <= 16 ? kKeyBits : tfs::kDigitBits;
-  int shift = kKeyBits - width0;
-  int64_t bins = int64_t{1} << width0;
-  std::vector<uint32_t> hist(chunks.count * 2 * bins, 0);
+// Estimates a key threshold with about k * (1 + 4 / sqrt(k_s)) + 8 n / n_s entries at or above
+// it from n_s strided samples of grad + residual (k_s = k n_s / n expected above the k-th key).
+// Returns false when the estimate is useless (it would take nearly everything, or key 0).
+template <typename T>
+bool EstimateThreshold(OpKernelContext* ctx, const T* grad, const T* residual,
+                       const Chunks& chunks, int64_t k, KeyT<T>* lo, int64_t* expected) {
+  const int64_t n = chunks.n;
+  const int64_t samples = std::min(n, std::clamp<int64_t>(n / 64, 4096, kMaxSamples));
+  const double per_sample = static_cast<double>(k) * samples / n;
+  const int64_t rank = static_cast<int64_t>(per_sample + 4.0 * std::sqrt(per_sample) + 8.0);
+  if (rank >= samples / 2) return false;
+  std::vector<KeyT<T>> keys(samples);
   ForEachChunk(ctx, chunks.count, [&](int64_t c) {
-    uint32_t* h = hist.data() + c * 2 * bins;
-    AddAndHistogram(grad, residual, acc, chunks.Begin(c), chunks.End(c), shift, h, h + bins);
-    for (int64_t d = 0; d < bins; ++d) h[d] += h[bins + d];
+    for (int64_t s = samples * c / chunks.count, e = samples * (c + 1) / chunks.count; s < e;
+         ++s) {
+      const int64_t i = s * n / samples;
+      const T a = grad[i] + residual[i];
+      keys[s] = KeyAt(&a);
+    }
   });
+  std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<KeyT<T>>());
+  *lo = keys[rank];
+  *expected = (rank + 1) * n / samples;
+  return *lo > 0;
+}
+
+// The k-th largest of `keys` (k >= 1): radix digits narrow the set, nth_element finishes.
+template <typename Key>
+Key KthLargest(std::vector<Key> keys, int64_t k, int key_bits) {
+  constexpr size_t kSmall = 4096;
+  for (int shift = key_bits; keys.size() > kSmall && shift > 0;) {
+    const int next = std::max(shift - tfs::kDigitBits, 0);
+    const Key mask = static_cast<Key>((Key{1} << (shift - next)) - 1);
+    std::vector<int64_t> hist(size_t{1} << (shift - next), 0);
+    for (const Key key : keys) ++hist[(key >> next) & mask];
+    int64_t digit = static_cast<int64_t>(hist.size()) - 1;
+    while (hist[digit] < k) k -= hist[digit--];
+    keys.erase(std::remove_if(keys.begin(), keys.end(),
+                              [&](Key key) {
+                                return static_cast<int64_t>((key >> next) & mask) != digit;
+                              }),
+               keys.end());
+    shift = next;
+  }
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<Key>());
+  return keys[k - 1];
+}
+
+// Entries of one chunk whose key reached the estimated threshold, in index order.
+template <typename T>
+struct Candidates {
+  std::unique_ptr<uint32_t[]> offset;  // index - chunk begin
+  std::unique_ptr<T[]> value;
+  int64_t capacity = 0;
+  int64_t count = 0;
+  bool overflow = false;
+};
+
+// acc[b:e] = grad + residual, gathering entries with key >= lo into `out`.
+template <typename T>
+void AddAndCollect(const T* grad, const T* residual, T* acc, int64_t b, int64_t e, KeyT<T> lo,
+                   Candidates<T>* out) {
+  uint32_t* offset = out->offset.get();
+  T* value = out->value.get();
+  const int64_t capacity = out->capacity;
+  int64_t count = 0;
+  for (int64_t i0 = b; i0 < e; i0 += kBlock) {
+    const int64_t i1 = std::min(e, i0 + kBlock);
+    Add(grad, residual, acc, i0, i1);
+    ForEachInBand(acc, i0, i1, lo, kMaxKey<T>, [&](int64_t i) {
+      if (count < capacity) {
+        offset[count] = static_cast<uint32_t>(i - b);
+        value[count] = acc[i];
+      }
+      ++count;
+    });
+  }
+  out->overflow = count > capacity;
+  out->count = std::min(count, capacity);
+}
+
+// The fast path: fused add and gather of keys >= lo (about `expected` of them), then exact
+// selection among the gathered entries. Returns false (acc written, nothing selected) when the
+// gathered set may miss part of the top k.
+template <typename T, typename Index>
+bool SampledSelect(OpKernelContext* ctx, const T* grad, const T* residual, T* acc,
+                   const Chunks& chunks, int64_t k, KeyT<T> lo, int64_t expected, T* values,
+                   Index* indices) {
+  using Key = KeyT<T>;
+  std::vector<Candidates<T>> cand(chunks.count);
+  bool complete = true;
+  ForEachChunk(ctx, chunks.count, [&](int64_t c) {
+    const int64_t b = chunks.Begin(c);
+    const int64_t e = chunks.End(c);
+    Candidates<T>& cc = cand[c];
+    cc.capacity = std::min(e - b, 2 * expected + 4096);
+    cc.offset.reset(new uint32_t[cc.capacity]);
+    cc.value.reset(new T[cc.capacity]);
+    AddAndCollect(grad, residual, acc, b, e, lo, &cc);
+  });
+  int64_t total = 0;
+  for (const Candidates<T>& cc : cand) {
+    complete &= !cc.overflow;
+    total += cc.count;
+  }
+  if (!complete || total < k) return false;
+
+  std::vector<Key> keys;
+  keys.reserve(total);
+  for (const Candidates<T>& cc : cand) {
+    for (int64_t j = 0; j < cc.count; ++j) keys.push_back(KeyAt(&cc.value[j]));
+  }
+  const Key kth = KthLargest(std::move(keys), k, tfs::KeyOf<sizeof(T)>::kBits);
+  std::vector<int64_t> greater(chunks.count, 0);
+  std::vector<int64_t> equal(chunks.count, 0);
+  for (int64_t c = 0; c < chunks.count; ++c) {
+    for (int64_t j = 0; j < cand[c].count; ++j) {
+      const Key key = KeyAt(&cand[c].value[j]);
+      greater[c] += key > kth;
+      equal[c] += key == kth;
+    }
+  }
+  int64_t ties = k;
+  for (int64_t g : greater) ties -= g;
+  std::vector<int64_t> out_offset(chunks.count, 0);
+  std::vector<int64_t> quota(chunks.count, 0);
+  int64_t before = 0;
+  int64_t out = 0;
+  for (int64_t c = 0; c < chunks.count; ++c) {
+    quota[c] = std::clamp<int64_t>(ties - before, 0, equal[c]);
+    before += equal[c];
+    out_offset[c] = out;
+    out += greater[c] + quota[c];
+  }
+  ForEachChunk(ctx, chunks.count, [&](int64_t c) {
+    const Candidates<T>& cc = cand[c];
+    const int64_t b = chunks.Begin(c);
+    int64_t o = out_offset[c];
+    int64_t taken = 0;
+    for (int64_t j = 0; j < cc.count; ++j) {
+      const Key key = KeyAt(&cc.value[j]);
+      if (key > kth || (key == kth && taken < quota[c])) {
+        taken += key == kth;
+        const int64_t i = b + cc.offset[j];
+        indices[o] = static_cast<Index>(i);
+        values[o] = cc.value[j];
+        acc[i] = T(0);
+        ++o;
+      }
+    }
+  });
+  return true;
+}
+
+// Radix selection on acc (already written) from per-chunk histograms of its top digit.
+template <typename T, typename Index>
+void RadixSelect(OpKernelContext* ctx, T* acc, const Chunks& chunks, int64_t k, int shift,
+                 int64_t bins, std::vector<uint32_t>& hist, T* values, Index* indices) {
+  using Key = KeyT<T>;
+  const int64_t n = chunks.n;
   Band<Key> band{0, 0, k, std::vector<int64_t>(chunks.count, 0),
                  std::vector<int64_t>(chunks.count, 0)};
   PickDigit(hist, 2 * bins, bins, shift, &band);
 
-  // Pass 2: narrow the band until the final rule is exact.
+  // Narrow the band until the final rule is exact.
   const int64_t gather_limit = std::max(kMinGather, n / 16);
   while (!band.Resolved()) {
     if (band.InTotal() <= gather_limit) {
@@ -247,7 +449,7 @@ void TopKErrorFeedbackCpu(OpKernelContext* ctx, const T* grad, const T* residual
     PickDigit(hist, bins, bins, shift, &band);
   }
 
-  // Pass 3: emit keys above the band and the first `quota` band members of each chunk.
+  // Emit keys above the band and the first `quota` band members of each chunk.
   std::vector<int64_t> offset(chunks.count, 0);
   std::vector<int64_t> quota(chunks.count, 0);
   int64_t before_in = 0;
@@ -263,22 +465,59 @@ void TopKErrorFeedbackCpu(OpKernelContext* ctx, const T* grad, const T* residual
   ForEachChunk(ctx, chunks.count, [&](int64_t c) {
     int64_t o = offset[c];
     int64_t taken = 0;
-    const int64_t e = chunks.End(c);
-    for (int64_t i0 = chunks.Begin(c); i0 < e; i0 += kScan) {
-      const int64_t i1 = std::min(e, i0 + kScan);
-      if (!AnyAtLeast(acc + i0, i1 - i0, lo)) continue;
-      for (int64_t i = i0; i < i1; ++i) {
-        const Key key = KeyAt(acc + i);
-        if (key > hi || (key >= lo && taken < quota[c])) {
-          taken += key <= hi;
-          indices[o] = static_cast<Index>(i);
-          values[o] = acc[i];
-          acc[i] = T(0);
-          ++o;
-        }
+    ForEachInBand(acc, chunks.Begin(c), chunks.End(c), lo, kMaxKey<T>, [&](int64_t i) {
+      const Key key = KeyAt(acc + i);
+      if (key > hi || taken < quota[c]) {
+        taken += key <= hi;
+        indices[o] = static_cast<Index>(i);
+        values[o] = acc[i];
+        acc[i] = T(0);
+        ++o;
       }
-    }
+    });
   });
+}
+
+template <typename T, typename Index>
+void TopKErrorFeedbackCpu(OpKernelContext* ctx, const T* grad, const T* residual, T* acc,
+                          int64_t n, int64_t k, T* values, Index* indices) {
+  constexpr int kKeyBits = tfs::KeyOf<sizeof(T)>::kBits;
+  const int64_t threads =
+      std::max(1, ctx->device()->tensorflow_cpu_worker_threads()->num_threads);
+  Chunks chunks{n, std::clamp<int64_t>(n / kMinChunk, 1, threads)};
+  chunks.count = std::max(chunks.count, (n + kMaxChunk - 1) / kMaxChunk);
+  if (k == 0) {
+    ForEachChunk(ctx, chunks.count,
+                 [&](int64_t c) { Add(grad, residual, acc, chunks.Begin(c), chunks.End(c)); });
+    return;
+  }
+  bool acc_written = false;
+  KeyT<T> lo = 0;
+  int64_t expected = 0;
+  if (n >= kMinSampled && k <= n / 8 &&
+      EstimateThreshold(ctx, grad, residual, chunks, k, &lo, &expected)) {
+    if (SampledSelect(ctx, grad, residual, acc, chunks, k, lo, expected, values, indices)) {
+      return;
+    }
+    acc_written = true;
+  }
+
+  // Top-digit histogram, fused with the add unless the sampled pass wrote acc (16-bit keys
+  // are histogrammed whole).
+  const int width0 = kKeyBits <= 16 ? kKeyBits : tfs::kDigitBits;
+  const int shift = kKeyBits - width0;
+  const int64_t bins = int64_t{1} << width0;
+  std::vector<uint32_t> hist(chunks.count * 2 * bins, 0);
+  ForEachChunk(ctx, chunks.count, [&](int64_t c) {
+    uint32_t* h = hist.data() + c * 2 * bins;
+    if (acc_written) {
+      Histogram(acc, chunks.Begin(c), chunks.End(c), shift, h, h + bins);
+    } else {
+      AddAndHistogram(grad, residual, acc, chunks.Begin(c), chunks.End(c), shift, h, h + bins);
+    }
+    for (int64_t d = 0; d < bins; ++d) h[d] += h[bins + d];
+  });
+  RadixSelect(ctx, acc, chunks, k, shift, bins, hist, values, indices);
 }
 
 template <typename T, typename Index>

@@ -55,8 +55,8 @@ REGISTER_OP("QSGDQuantize")
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &seed));
       int64_t bucket_size;
       TF_RETURN_IF_ERROR(c->GetAttr("bucket_size", &bucket_size));
-      c->set_output(0, c->input(0));
       DimensionHandle n = c->NumElements(c->input(0));
+      c->set_output(0, c->Vector(n));
       if (c->ValueKnown(n) && bucket_size >= 0) {
         c->set_output(1, c->Vector(tfs::NumBuckets(c->Value(n), bucket_size)));
       } else {
@@ -69,7 +69,8 @@ Bucketed QSGD quantization with counter-based stochastic rounding.
 
 Per bucket of bucket_size flat entries (all of them when 0): norm = float32(sqrt(pairwise
 float64 sum of squares)); r = |x| / norm * levels; level = floor(r) + (u < frac(r)) with
-u = hash_uniform(seed, i), capped at levels; signed_levels = sign(x) * level (0 for NaN).
+u = hash_uniform(seed, i), capped at levels; signed_levels (flat, [n]) = sign(x) * level,
+0 where the level is NaN.
 )doc");
 
 REGISTER_OP("QSGDDequantize")

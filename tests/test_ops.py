@@ -1,0 +1,399 @@
+"""Custom ops against NumPy and the pure-TF reference: TopK with error feedback and QSGD.
+
+Inputs travel as raw bit patterns so every comparison is bit for bit. TensorFlow's CPU threads
+flush denormals, so the NumPy model runs with ``flush=True``. Tests of the compiled kernels
+skip when the library is absent, and fail instead under ``TF_SPARSIFY_REQUIRE_OPS=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sparsify.ops as ops
+from tf_sparsify.ops import numpy_reference as npref
+from tf_sparsify.ops import reference
+
+KIND = {
+    tf.float16: "float16",
+    tf.bfloat16: "bfloat16",
+    tf.float32: "float32",
+    tf.float64: "float64",
+}
+UINT = {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}
+DTYPES = list(KIND)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def compiled():
+    """The raw op module; fails under TF_SPARSIFY_REQUIRE_OPS=1 when it is missing."""
+    if not ops.is_compiled():
+        reason = ops.info().reason
+        if os.environ.get(ops.REQUIRE_ENV) == "1":
+            pytest.fail(f"compiled ops required but unavailable: {reason}")
+        pytest.skip(f"compiled ops unavailable: {reason}")
+    return ops._library().module
+
+
+def bits_of(t: tf.Tensor) -> np.ndarray:
+    return tf.bitcast(t, UINT[t.dtype.size]).numpy()
+
+
+def tensor_of(bits: np.ndarray, dtype: tf.DType) -> tf.Tensor:
+    return tf.bitcast(tf.constant(bits), dtype)
+
+
+def from_f64(x: np.ndarray, dtype: tf.DType) -> np.ndarray:
+    """float64 values rounded to ``dtype``, as bit patterns."""
+    kind = KIND[dtype]
+    if kind == "float64":
+        return x.astype(np.float64).view(np.uint64)
+    if kind == "float16":
+        return x.astype(np.float16).view(np.uint16)
+    return npref.from_f32(x.astype(np.float32), kind)
+
+
+def make(x: np.ndarray, dtype: tf.DType) -> tf.Tensor:
+    return tensor_of(from_f64(x, dtype), dtype)
+
+
+def assert_bits_equal(actual: tf.Tensor, expected: np.ndarray | tf.Tensor, what: str) -> None:
+    a = bits_of(actual) if actual.dtype.is_floating else actual.numpy()
+    e = expected if isinstance(expected, np.ndarray) else bits_of(expected)
+    np.testing.assert_array_equal(a.ravel(), e.ravel(), err_msg=what)
+
+
+def check_topk(grad: tf.Tensor, residual: tf.Tensor, k: int, what: str = "") -> None:
+    """The op equals the NumPy model and, bit for bit, the TF reference."""
+    values, indices, new_residual = ops.topk_error_feedback(grad, residual, k)
+    kind = KIND[grad.dtype]
+    ev, ei, er = npref.topk_error_feedback(bits_of(grad), bits_of(residual), k, kind, flush=True)
+    assert new_residual.shape == grad.shape and new_residual.dtype == grad.dtype
+    assert indices.dtype == tf.int32 and values.shape == [k]
+    np.testing.assert_array_equal(indices.numpy(), ei, err_msg=f"indices {what}")
+    assert_bits_equal(values, ev, f"values {what}")
+    assert_bits_equal(new_residual, er, f"new_residual {what}")
+    rv, ri, rr = reference.topk_error_feedback(grad, residual, k)
+    np.testing.assert_array_equal(indices.numpy(), ri.numpy(), err_msg=f"ref indices {what}")
+    assert_bits_equal(values, rv, f"ref values {what}")
+    assert_bits_equal(new_residual, rr, f"ref residual {what}")
+
+
+RNG = np.random.default_rng(1234)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 1023, 100003])
+def test_topk_random(compiled, dtype, n):
+    g, r = make(RNG.standard_normal(n), dtype), make(RNG.standard_normal(n), dtype)
+    for k in sorted({0, 1, max(n // 1000, 1), max(n // 100, 1), n // 8, n // 8 + 1, n}):
+        check_topk(g, r, k, f"n={n} k={k}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_ties(compiled, dtype):
+    n = 70001
+    zeros = make(np.zeros(n), dtype)
+    for value in (0.0, -0.0, 1.5):
+        for k in (1, 5, n // 10, n // 2, n - 1, n):
+            check_topk(make(np.full(n, value), dtype), zeros, k, f"all {value} k={k}")
+    few = make(RNG.integers(-3, 4, n).astype(np.float64), dtype)
+    for k in (1, 100, n // 16, n // 7, n // 3):
+        check_topk(few, zeros, k, f"few values k={k}")
+    signed_zeros = make(np.where(RNG.random(n) < 0.5, -0.0, 0.0), dtype)
+    check_topk(signed_zeros, zeros, 10, "signed zeros")
+    check_topk(signed_zeros, signed_zeros, 10, "signed zeros sum")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_extremes_and_nan(compiled, dtype):
+    n = 4099
+    info = ml_dtypes.finfo(dtype.as_numpy_dtype)
+    x = RNG.standard_normal(n)
+    x[::7] *= float(info.max) / 4
+    x[3::11] = float(info.tiny) / 8  # denormal (flushed for float32/64 and bfloat16)
+    x[5::13] = -float(info.tiny) / 2
+    x[1::17] = np.inf
+    x[2::19] = -np.inf
+    x[4::23] = np.nan
+    g = make(x, dtype)
+    r = make(RNG.standard_normal(n) * 1e-3, dtype)
+    nans = int(np.isnan(x).sum())
+    for k in (1, 10, nans, 500, 1000):
+        check_topk(g, r, k, f"extremes k={k}")
+    values, _, new_residual = ops.topk_error_feedback(g, r, nans)
+    assert np.isnan(tf.cast(values, tf.float64).numpy()).all(), "NaN ranks highest"
+    assert not np.isnan(tf.cast(new_residual, tf.float64).numpy()).any()
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_topk_paths(compiled, dtype):
+    """Cases that defeat the sampled fast path or need several radix levels."""
+    n = 1 << 18
+    base = np.abs(RNG.standard_normal(n)) * 1e-3
+    under = base.copy()
+    under[::64] = 100 + RNG.random(n // 64)  # the samples see only large values
+    over = 1 + RNG.random(n)
+    over[::64] = 1e-6  # the samples see only small values
+    narrow = 1 + RNG.random(n) / 32  # one top digit, distinct lower digits
+    zeros = make(np.zeros(n), dtype)
+    for name, x in (("under", under), ("over", over), ("narrow", narrow)):
+        for k in (1000, n // 8, n // 8 + 1, n // 2):
+            check_topk(make(x, dtype), zeros, k, f"{name} k={k}")
+
+
+@pytest.mark.parametrize("shape", [[3, 5, 7], [2, 1, 4096], [1]])
+def test_topk_rank(compiled, shape):
+    n = int(np.prod(shape))
+    g = make(RNG.standard_normal(shape), tf.float32)
+    r = make(RNG.standard_normal(shape), tf.float32)
+    check_topk(g, r, max(n // 10, 1))
+
+
+def test_topk_in_place_residual(compiled):
+    """A forwardable residual is reused; the caller's tensors are never modified."""
+    n, k = 200003, 2000
+    g = make(RNG.standard_normal(n), tf.float32)
+    r = make(RNG.standard_normal(n), tf.float32)
+    before = r.numpy().copy()
+    ops.topk_error_feedback(g, r, k)
+    np.testing.assert_array_equal(r.numpy(), before)
+
+    def steps(fn):
+        def body(i, res, total):
+            v, idx, res = fn(g, res, k)
+            return i + 1, res, total + tf.reduce_sum(tf.cast(idx, tf.int64))
+
+        return tf.while_loop(lambda i, *_: i < 3, body, (0, r * 1.0, tf.constant(0, tf.int64)))
+
+    got = tf.function(lambda: steps(ops.topk_error_feedback))()
+    want = tf.function(lambda: steps(reference.topk_error_feedback))()
+    assert_bits_equal(got[1], want[1], "residual after 3 steps")
+    assert int(got[2]) == int(want[2])
+    np.testing.assert_array_equal(r.numpy(), before)
+
+
+def test_topk_tf_function_dynamic(compiled):
+    """Unknown static shape: int64 indices; a bad runtime k fails in the kernel."""
+    f = tf.function(
+        lambda g, r, k: ops.topk_error_feedback(g, r, k),
+        input_signature=[tf.TensorSpec([None], tf.float32)] * 2 + [tf.TensorSpec([], tf.int32)],
+    )
+    g, r = make(RNG.standard_normal(999), tf.float32), make(RNG.standard_normal(999), tf.float32)
+    values, indices, new_residual = f(g, r, tf.constant(50))
+    rv, ri, rr = reference.topk_error_feedback(g, r, 50)
+    assert indices.dtype == tf.int64
+    np.testing.assert_array_equal(indices.numpy(), ri.numpy())
+    assert_bits_equal(values, rv, "values")
+    assert_bits_equal(new_residual, rr, "residual")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be in \[0, 999\].*1000"):
+        f(g, r, tf.constant(1000))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "n,levels,bucket_size",
+    [
+        (0, 4, 0),
+        (1, 1, 0),
+        (7, 127, 3),
+        (1023, 128, 0),
+        (1023, 32767, 512),
+        (100003, 4, 512),
+        (100003, 15, 0),
+        (5000, 3, 7),
+        (5000, 2, 9000),
+    ],
+)
+def test_qsgd_matches_references(compiled, dtype, n, levels, bucket_size):
+    x = make(RNG.standard_normal(n) * 3, dtype)
+    for seed in (0, -7, 2**40 + 12345):
+        q, norms = ops.qsgd_quantize(x, levels, bucket_size, seed)
+        eq, en = npref.qsgd_quantize(bits_of(x), KIND[dtype], levels, bucket_size, seed, True)
+        rq, rn = reference.qsgd_quantize(x, levels, bucket_size, tf.constant(seed, tf.int64))
+        assert q.dtype == reference.level_dtype(levels) and q.shape == [n]
+        np.testing.assert_array_equal(q.numpy(), eq)
+        np.testing.assert_array_equal(q.numpy(), rq.numpy())
+        assert_bits_equal(norms, en.view(np.uint32), "norms vs numpy")
+        assert_bits_equal(norms, rn, "norms vs reference")
+        out = ops.qsgd_dequantize(q, norms, levels, bucket_size, x.shape, dtype)
+        ref_out = reference.qsgd_dequantize(rq, rn, levels, bucket_size, x.shape, dtype)
+        assert out.dtype == dtype and out.shape == x.shape
+        assert_bits_equal(out, ref_out, "dequantized vs reference")
+        assert_bits_equal(
+            out, npref.qsgd_dequantize(eq, en, levels, bucket_size, KIND[dtype], True), "vs np"
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qsgd_special_values(compiled, dtype):
+    info = ml_dtypes.finfo(dtype.as_numpy_dtype)
+    x = RNG.standard_normal(3000)
+    x[::10] = 0.0
+    x[1::10] = -0.0
+    x[2::97] = float(info.tiny) / 4
+    x[3::101] = float(info.max) / 2
+    x[4::503] = np.nan
+    x[5::607] = -np.inf
+    t = make(x, dtype)
+    for bucket_size in (0, 64, 100):
+        q, norms = ops.qsgd_quantize(t, 8, bucket_size, 99)
+        rq, rn = reference.qsgd_quantize(t, 8, bucket_size, tf.constant(99, tf.int64))
+        np.testing.assert_array_equal(q.numpy(), rq.numpy())
+        assert_bits_equal(norms, rn, "norms")
+        eq, en = npref.qsgd_quantize(bits_of(t), KIND[dtype], 8, bucket_size, 99, flush=True)
+        np.testing.assert_array_equal(q.numpy(), eq)
+        assert_bits_equal(norms, en.view(np.uint32), "norms vs numpy")
+
+
+def test_qsgd_unbiased_and_rank(compiled):
+    x = make(RNG.standard_normal([4, 5, 6]), tf.float32)
+    seeds = range(400)
+    decoded = [
+        ops.qsgd_dequantize(*ops.qsgd_quantize(x, 2, 16, s), 2, 16, x.shape, tf.float32)
+        for s in seeds
+    ]
+    mean = tf.reduce_mean(tf.stack(decoded), axis=0)
+    np.testing.assert_allclose(mean.numpy(), x.numpy(), atol=0.25)
+    assert decoded[0].shape == x.shape
+
+
+def test_qsgd_tf_function_dynamic(compiled):
+    f = tf.function(
+        lambda x, s: ops.qsgd_quantize(x, 4, 0, s),
+        input_signature=[tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([], tf.int64)],
+    )
+    x = make(RNG.standard_normal([10, 3]), tf.float32)
+    q, norms = f(x, tf.constant(5, tf.int64))
+    rq, rn = reference.qsgd_quantize(x, 4, 0, tf.constant(5, tf.int64))
+    np.testing.assert_array_equal(q.numpy(), rq.numpy())
+    assert_bits_equal(norms, rn, "norms")
+    shape = tf.constant([10, 3])
+    out = tf.function(lambda q, nr: ops.qsgd_dequantize(q, nr, 4, 0, shape, tf.float16))(q, norms)
+    assert out.shape == [10, 3] and out.dtype == tf.float16
+
+
+def test_invalid_arguments(compiled):
+    g = tf.zeros([10])
+    bad = tf.errors.InvalidArgumentError
+    with pytest.raises(bad, match=r"k must be in \[0, 10\].*k = -1"):
+        ops.topk_error_feedback(g, g, -1)
+    with pytest.raises(bad, match=r"k must be in \[0, 10\].*k = 11"):
+        ops.topk_error_feedback(g, g, 11)
+    with pytest.raises(bad, match="residual must have grad's shape"):
+        ops.topk_error_feedback(g, tf.zeros([11]), 1)
+    with pytest.raises(bad, match="residual must have grad's dtype float32, got float64"):
+        ops.topk_error_feedback(g, tf.zeros([10], tf.float64), 1)
+    with pytest.raises(bad, match="grad must be float16, bfloat16, float32 or float64, got int32"):
+        ops.topk_error_feedback(tf.zeros([10], tf.int32), tf.zeros([10], tf.int32), 1)
+    with pytest.raises(bad, match="levels must be an int in"):
+        ops.qsgd_quantize(g, 0, 0, 1)
+    with pytest.raises(bad, match="levels = 40000"):
+        ops.qsgd_quantize(g, 40000, 0, 1)
+    with pytest.raises(bad, match="bucket_size must be an int >= 0"):
+        ops.qsgd_quantize(g, 4, -1, 1)
+    q, norms = ops.qsgd_quantize(g, 4, 3, 1)
+    with pytest.raises(bad, match="signed_levels must be int16 for levels = 200"):
+        ops.qsgd_dequantize(q, norms, 200, 3, [10], tf.float32)
+    with pytest.raises(bad, match="norms must be a vector of 4 bucket norms"):
+        ops.qsgd_dequantize(q, norms[:3], 4, 3, [10], tf.float32)
+    with pytest.raises(bad, match=r"shape \[11\] has 11 elements but signed_levels has 10"):
+        ops.qsgd_dequantize(q, norms, 4, 3, [11], tf.float32)
+
+
+def test_kernel_validation(compiled):
+    """The kernels check their arguments themselves (the raw ops skip the Python checks)."""
+    g = tf.zeros([6])
+    bad = tf.errors.InvalidArgumentError
+    with pytest.raises(bad, match=r"TopKErrorFeedback: k must be in \[0, 6\].*k = 7"):
+        compiled.top_k_error_feedback(g, g, 7)
+    with pytest.raises(bad, match="TopKErrorFeedback: k must be in.*k = -2"):
+        compiled.top_k_error_feedback(g, g, -2)
+    with pytest.raises(bad, match="residual must have the shape of grad"):
+        compiled.top_k_error_feedback(g, tf.zeros([2, 3]), 1)
+    with pytest.raises(bad, match="levels must be in \\[1, 32767\\], got levels = 0"):
+        compiled.qsgd_quantize(
+            g, tf.constant(1, tf.int64), levels=0, bucket_size=0, out_type=tf.int8
+        )
+    with pytest.raises(bad, match="bucket_size must be >= 0.*-3"):
+        compiled.qsgd_quantize(
+            g, tf.constant(1, tf.int64), levels=3, bucket_size=-3, out_type=tf.int8
+        )
+    with pytest.raises(bad, match="levels = 300 needs signed levels of type int16"):
+        compiled.qsgd_quantize(
+            g, tf.constant(1, tf.int64), levels=300, bucket_size=0, out_type=tf.int8
+        )
+
+
+def test_saved_model_round_trip(compiled, tmp_path):
+    class Compress(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([64], tf.float32)] * 2)
+        def topk(self, g, r):
+            return ops.topk_error_feedback(g, r, 5)
+
+        @tf.function(input_signature=[tf.TensorSpec([64], tf.float32)])
+        def qsgd(self, x):
+            q, norms = ops.qsgd_quantize(x, 4, 16, tf.constant(3, tf.int64))
+            return q, norms, ops.qsgd_dequantize(q, norms, 4, 16, [64], tf.float32)
+
+    module = Compress()
+    tf.saved_model.save(module, str(tmp_path))
+    loaded = tf.saved_model.load(str(tmp_path))
+    g, r = make(RNG.standard_normal(64), tf.float32), make(RNG.standard_normal(64), tf.float32)
+    for got, want in zip(loaded.topk(g, r), module.topk(g, r), strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    for got, want in zip(loaded.qsgd(g), module.qsgd(g), strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_fallback_warns_once(monkeypatch):
+    monkeypatch.setattr(ops, "_library", lambda: ops._Library(None, "pretend it is missing"))
+    monkeypatch.setattr(ops, "_warned", False)
+    monkeypatch.delenv(ops.REQUIRE_ENV, raising=False)
+    g, r = make(RNG.standard_normal(50), tf.float32), make(RNG.standard_normal(50), tf.float32)
+    with pytest.warns(RuntimeWarning, match="pretend it is missing"):
+        values, indices, _ = ops.topk_error_feedback(g, r, 4)
+    rv, ri, _ = reference.topk_error_feedback(g, r, 4)
+    np.testing.assert_array_equal(indices.numpy(), ri.numpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.qsgd_quantize(g, 4, 0, 1)
+    assert not ops.is_compiled() and "NOT loaded" in str(ops.info())
+    with pytest.raises(tf.errors.InvalidArgumentError, match="k must be in"):
+        ops.topk_error_feedback(g, r, 51)
+    monkeypatch.setenv(ops.REQUIRE_ENV, "1")
+    with pytest.raises(RuntimeError, match="TF_SPARSIFY_REQUIRE_OPS=1.*pretend it is missing"):
+        ops.topk_error_feedback(g, r, 4)
+
+
+def test_info_and_cli(compiled):
+    report = ops.info()
+    assert report.compiled and "CPU" in report.kernels["TopKErrorFeedback"]
+    assert set(report.kernels) == {"TopKErrorFeedback", "QSGDQuantize", "QSGDDequantize"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_sparsify", "info"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "TopKErrorFeedback: CPU" in proc.stdout
+
+
+def test_build_reports_missing_compiler(monkeypatch, capsys):
+    from tf_sparsify.ops import build
+
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    assert build.main([]) == 1
+    assert "C++ compiler '/nonexistent/g++' not found" in capsys.readouterr().err

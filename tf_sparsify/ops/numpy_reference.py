@@ -1,0 +1,180 @@
+"""NumPy model of the custom ops, independent of TensorFlow (the GPU check loads it by path).
+
+Arrays are raw IEEE bit patterns (uint16 for float16 and bfloat16, uint32, uint64) plus a
+``kind`` naming the float type, so bfloat16 needs no NumPy support. ``flush=True`` models
+TensorFlow's CPU threads, which run with denormals-are-zero and flush-to-zero: float32,
+float64 and bfloat16 (computed in float32) arithmetic sees denormal inputs as zero and flushes
+denormal results; float16 arithmetic (computed in float32, where its denormals are normal) is
+unaffected.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+KINDS = ("float16", "bfloat16", "float32", "float64")
+BITS = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.uint32, "float64": np.uint64}
+_SIGN_MASK = {"float16": 0x7FFF, "bfloat16": 0x7FFF, "float32": 0x7FFFFFFF}
+
+
+def _flush(x: np.ndarray, on: bool) -> np.ndarray:
+    """Denormals of a float32/float64 array replaced by signed zeros when ``on``."""
+    if not on:
+        return x
+    tiny = np.finfo(x.dtype).tiny
+    return np.where(np.abs(x) < tiny, np.copysign(np.zeros_like(x), x), x)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns to float32 (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bit patterns, round to nearest even; NaN becomes 0x7FC0 | sign."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.where(u >> 31, np.uint16(0xFFC0), np.uint16(0x7FC0))
+    return np.where(np.isnan(x), nan, rounded)
+
+
+def to_f32(bits: np.ndarray, kind: str) -> np.ndarray:
+    """Values of ``kind`` as float32 (float64 rounds to nearest even)."""
+    if kind == "bfloat16":
+        return bf16_to_f32(bits)
+    if kind == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    if kind == "float32":
+        return bits.view(np.float32).copy()
+    with np.errstate(over="ignore"):
+        return bits.view(np.float64).astype(np.float32)
+
+
+def from_f32(x: np.ndarray, kind: str) -> np.ndarray:
+    """float32 values to bit patterns of ``kind`` (round to nearest even)."""
+    if kind == "bfloat16":
+        return f32_to_bf16(x)
+    if kind == "float16":
+        return x.astype(np.float16).view(np.uint16)
+    if kind == "float32":
+        return x.astype(np.float32).view(np.uint32)
+    return x.astype(np.float64).view(np.uint64)
+
+
+def add(a: np.ndarray, b: np.ndarray, kind: str, flush: bool = False) -> np.ndarray:
+    """``a + b`` in ``kind``, correctly rounded (16-bit kinds add in float32, then round)."""
+    if kind == "bfloat16":
+        s = _flush(_flush(bf16_to_f32(a), flush) + _flush(bf16_to_f32(b), flush), flush)
+        return f32_to_bf16(s)
+    if kind == "float16":
+        return (a.view(np.float16) + b.view(np.float16)).view(np.uint16)
+    ftype = np.float32 if kind == "float32" else np.float64
+    s = _flush(_flush(a.view(ftype), flush) + _flush(b.view(ftype), flush), flush)
+    return s.view(BITS[kind])
+
+
+def magnitude_keys(bits: np.ndarray, kind: str) -> np.ndarray:
+    """Sign-masked bit patterns as int64 (NaN above +Inf, +0.0 == -0.0)."""
+    if kind == "float64":
+        return (bits & np.uint64(0x7FFFFFFFFFFFFFFF)).view(np.int64)
+    return (bits & BITS[kind](_SIGN_MASK[kind])).astype(np.int64)
+
+
+def topk_select(keys: np.ndarray, k: int) -> np.ndarray:
+    """Ascending indices of the k largest keys, ties to the lowest index, in O(n)."""
+    n = keys.size
+    if k == 0:
+        return np.zeros(0, np.int64)
+    kth = np.partition(keys, n - k)[n - k]
+    above = np.flatnonzero(keys > kth)
+    ties = np.flatnonzero(keys == kth)[: k - above.size]
+    return np.sort(np.concatenate([above, ties]))
+
+
+def topk_error_feedback(
+    grad: np.ndarray, residual: np.ndarray, k: int, kind: str, flush: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(values, indices, new_residual)`` as bit patterns (indices int64), flat."""
+    acc = add(grad.ravel(), residual.ravel(), kind, flush)
+    indices = topk_select(magnitude_keys(acc, kind), k)
+    new = acc.copy()
+    new[indices] = 0
+    return acc[indices], indices, new
+
+
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+def hash_uniform(seed: int, n: int) -> np.ndarray:
+    """``(fmix32(fmix32(i ^ key0) ^ key1) >> 8) * 2**-24`` (float32), i = flat index mod 2**32."""
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    key0, key1 = np.uint32(s & 0xFFFFFFFF), np.uint32(s >> 32)
+    i = (np.arange(n, dtype=np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h = _fmix32(_fmix32(i ^ key0) ^ key1)
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+
+
+def num_buckets(n: int, bucket_size: int) -> int:
+    """Number of QSGD buckets (one for the whole tensor when bucket_size is 0)."""
+    b = bucket_size if bucket_size > 0 else max(n, 1)
+    return -(-n // b)
+
+
+def _buckets(x: np.ndarray, bucket_size: int) -> np.ndarray:
+    n = x.size
+    b = bucket_size if bucket_size > 0 else max(n, 1)
+    padded = np.zeros(num_buckets(n, bucket_size) * b, x.dtype)
+    padded[:n] = x
+    return padded.reshape(-1, b)
+
+
+def bucket_norms(x32: np.ndarray, bucket_size: int) -> np.ndarray:
+    """float32 norms: float64 squares, zero-padded to a power of two, added in adjacent pairs."""
+    buckets = _buckets(x32, bucket_size).astype(np.float64)
+    width = 1 << max(buckets.shape[1] - 1, 0).bit_length()
+    s = np.zeros((buckets.shape[0], width))
+    s[:, : buckets.shape[1]] = buckets * buckets
+    while s.shape[1] > 1:
+        s = s[:, 0::2] + s[:, 1::2]
+    return np.sqrt(s[:, 0]).astype(np.float32)
+
+
+def qsgd_quantize(
+    bits: np.ndarray, kind: str, levels: int, bucket_size: int, seed: int, flush: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(signed_levels, norms)``: int8 levels for ``levels <= 127`` else int16, flat."""
+    x = _flush(to_f32(bits.ravel(), kind), flush)
+    n = x.size
+    norms = bucket_norms(x, bucket_size)
+    safe = np.where(norms > 0, norms, np.float32(1))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        ratio = _flush(np.abs(_buckets(x, bucket_size)) / safe[:, None], flush)
+        ratio = _flush(ratio * np.float32(levels), flush).ravel()[:n]
+        floor = np.floor(ratio)
+        up = (hash_uniform(seed, n) < ratio - floor).astype(np.float32)
+        level = np.minimum(floor + up, np.float32(levels))
+    signed = np.where(x < 0, -level, level)
+    signed = np.where(np.isnan(signed), np.float32(0), signed)
+    return signed.astype(np.int8 if levels <= 127 else np.int16), norms
+
+
+def qsgd_dequantize(
+    signed_levels: np.ndarray,
+    norms: np.ndarray,
+    levels: int,
+    bucket_size: int,
+    kind: str,
+    flush: bool = False,
+) -> np.ndarray:
+    """Bit patterns of ``kind``: ``signed_level * (norm / levels)`` in float32, then rounded."""
+    q = signed_levels.ravel().astype(np.float32)
+    n = q.size
+    scale = _flush(norms.astype(np.float32) / np.float32(levels), flush)
+    out = _flush(_buckets(q, bucket_size) * scale[:, None], flush).ravel()[:n]
+    return from_f32(out, kind)
