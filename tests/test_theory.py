@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import numpy as np
 import pytest
@@ -113,3 +115,23 @@ def test_smoothness_rejects_bad_data(bad):
         theory.smoothness_least_squares(bad)
     with pytest.raises(ValueError, match="l2.*-1"):
         theory.smoothness_logistic(np.ones((2, 2)), l2=-1)
+
+
+def test_staleness_experiment_shows_the_bound_on_real_data(tmp_path):
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
+    spec = importlib.util.spec_from_file_location(
+        "staleness_experiment", os.path.join(path, "staleness_experiment.py")
+    )
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    args = ex.parse_args(["--steps", "400", "--max-steps", "200", "--out-dir", str(tmp_path)])
+    problem = ex.Problem("least_squares", args.workers, args.l2)
+    assert problem.L == pytest.approx(theory.smoothness_least_squares(problem.x, args.l2))
+    rows, curves = ex.delays_experiment(problem, args)
+    behaviour = {(r["server"], r["step / bound"]): r["behaviour"] for r in rows}
+    for tau in (0, 2, 8):
+        assert behaviour[(f"fixed tau={tau}", 1)] in ("converged", "converging")
+        assert behaviour[(f"fixed tau={tau}", 4)] == "diverges"
+    assert "| fixed tau=8 | 1 |" in ex.markdown(rows)
+    ex.plot(curves, {}, args.target, str(tmp_path / "a.png"))
+    assert (tmp_path / "a.png").stat().st_size > 10_000
