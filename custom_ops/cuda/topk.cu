@@ -333,10 +333,11 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 template <int Dtype>
 int WorkspaceBytes(int64_t n, int64_t k, size_t* bytes) {
-  Layout layout;
+  Layout layout{};
   const cudaError_t err = MakeLayout<typename Elem<Dtype>::Bits>(n, k, &layout);
+  if (err != cudaSuccess) return static_cast<int>(err);
   *bytes = layout.total;
-  return static_cast<int>(err);
+  return TFS_OK;
 }
 
 template <int Dtype>
@@ -356,7 +357,7 @@ int TopK(const void* grad_p, const void* residual_p, void* acc_p, int64_t n, int
                                                         nullptr);
     return static_cast<int>(cudaGetLastError());
   }
-  Layout layout;
+  Layout layout{};
   cudaError_t err = MakeLayout<Bits>(n, k, &layout);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (workspace_bytes < layout.total) return TFS_ERR_ARG;

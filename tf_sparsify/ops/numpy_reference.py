@@ -176,5 +176,6 @@ def qsgd_dequantize(
     q = signed_levels.ravel().astype(np.float32)
     n = q.size
     scale = _flush(norms.astype(np.float32) / np.float32(levels), flush)
-    out = _flush(_buckets(q, bucket_size) * scale[:, None], flush).ravel()[:n]
+    with np.errstate(invalid="ignore"):
+        out = _flush(_buckets(q, bucket_size) * scale[:, None], flush).ravel()[:n]
     return from_f32(out, kind)

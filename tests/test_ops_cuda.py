@@ -1,0 +1,65 @@
+"""The TF-free CUDA core compiles (sm_90) and its C API loads and validates arguments.
+
+Skipped only when nvcc is absent. Running the kernels needs a GPU: benchmarks/gpu/.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tf_sparsify.ops.build import SOURCE_DIR, find_nvcc
+
+NVCC = find_nvcc()
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+
+
+def _nvcc(*args: str) -> None:
+    proc = subprocess.run([str(NVCC), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_cuda_core_compiles_and_loads(tmp_path: Path):
+    flags = [
+        "-std=c++17",
+        "-O3",
+        "--fmad=false",
+        "-Xcompiler",
+        "-fPIC",
+        f"-I{SOURCE_DIR / 'include'}",
+        "-gencode",
+        "arch=compute_90,code=sm_90",
+    ]
+    sources = sorted((SOURCE_DIR / "cuda").glob("*.cu"))
+    objects = [tmp_path / f"{s.stem}.o" for s in sources]
+    with ThreadPoolExecutor(2) as pool:
+        list(
+            pool.map(
+                lambda so: _nvcc(*flags, "-c", str(so[0]), "-o", str(so[1])),
+                zip(sources, objects, strict=True),
+            )
+        )
+    lib_path = tmp_path / "libtfs_cuda.so"
+    _nvcc("-shared", "-cudart", "static", *map(str, objects), "-o", str(lib_path))
+
+    lib = ctypes.CDLL(str(lib_path))
+    lib.tfs_error_string.restype = ctypes.c_char_p
+    size = ctypes.c_size_t()
+    i64 = ctypes.c_int64
+    assert lib.tfs_qsgd_workspace_bytes(i64(10**6), i64(512), ctypes.byref(size)) == 0
+    assert size.value >= 2 * (10**6 // 512) * 8
+    assert lib.tfs_qsgd_workspace_bytes(i64(10), i64(-1), ctypes.byref(size)) == -1
+    null = ctypes.c_void_p()
+    bad_k = lib.tfs_topk_error_feedback(
+        2, null, null, null, i64(10), i64(11), null, null, 4, null, ctypes.c_size_t(0), null
+    )
+    assert bad_k == -1
+    assert b"invalid argument" in lib.tfs_error_string(-1)
+    bad_levels = lib.tfs_qsgd_quantize(
+        2, null, i64(10), 0, i64(0), i64(0), null, null, null, ctypes.c_size_t(0), null
+    )
+    assert bad_levels == -1
