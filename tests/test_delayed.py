@@ -194,20 +194,52 @@ def test_mirrored_strategy_equals_simulated_workers(mirrored2, server):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+def _single_step(opt, w, a, b):
+    @tf.function
+    def step():
+        grad = tf.linalg.matvec(a, tf.linalg.matvec(a, w.value) - b, adjoint_a=True)
+        opt.apply([grad], [w])
+
+    return step
+
+
 def test_tau_zero_equals_no_delay_with_error_feedback():
+    """One device: ServerOptimizer(DelayedGradients(0)) == SparsifiedOptimizer, step by step."""
+    rng = np.random.default_rng(4)
+    a = tf.constant(rng.normal(size=(6, DIM)).astype("float32"))
+    b = tf.constant(rng.normal(size=6).astype("float32"))
+    runs = []
+    for make in (
+        lambda: ServerOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=2), DelayedGradients(0)),
+        lambda: tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=2)),
+    ):
+        w = keras.Variable(np.ones(DIM, "float32"))
+        opt = make()
+        opt.build([w])
+        step = _single_step(opt, w, a, b)
+        trace = []
+        for _ in range(6):
+            step()
+            trace.append((w.numpy(), opt.residuals[0].numpy()))
+        runs.append(trace)
+    for (w1, r1), (w2, r2) in zip(*runs, strict=True):
+        np.testing.assert_allclose(w1, w2, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(r1, r2, rtol=1e-6, atol=1e-7)
+    assert np.abs(runs[0][-1][1]).max() > 1e-3  # error feedback was at work
+
+
+def test_simulated_tau_zero_is_synchronous_compressed_sgd_by_hand():
     grads = _grads(6, seed=4)
     delayed, _ = _run(DelayedGradients(0), grads, tfs.TopK(k=2))
-    w = keras.Variable(np.zeros(DIM, "float32"))
-    plain = tfs.SparsifiedOptimizer(keras.optimizers.SGD(1.0), tfs.TopK(k=2))
-    plain.build([w])
+    compressor = tfs.TopK(k=2)
     residual = [tf.zeros(DIM) for _ in range(P)]
-    for t, g in enumerate(grads):  # P workers by hand through the plain optimizer's compressor
+    for t, g in enumerate(grads):
         total = 0.0
         for p in range(P):
-            payload, ctx, residual[p] = plain.compressor.compress_with_feedback(
+            payload, ctx, residual[p] = compressor.compress_with_feedback(
                 tf.constant(g[p]), residual[p], t, 0, p
             )
-            total += plain.compressor.decompress(payload, ctx).numpy() / P
+            total += compressor.decompress(payload, ctx).numpy() / P
         np.testing.assert_allclose(delayed[t], total, atol=1e-6)
 
 
