@@ -13,6 +13,7 @@ from keras.src import backend
 from keras.src.utils import tracking
 
 from tf_sparsify.collectives import Collective
+from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.distribute.servers import Server, deserialize_server, serialize_server
 from tf_sparsify.distribute.simulated import SimulatedWorker
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
@@ -52,7 +53,7 @@ class ServerOptimizer(SparsifiedOptimizer):
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
-        compressor,
+        compressor: Compressor,
         server: Server,
         workers: int | None = None,
         **kwargs: Any,

@@ -27,6 +27,9 @@ import tensorflow as tf
 from tf_sparsify.compressors.base import check_seed, rng_seed
 
 DELAY_MODELS = ("fixed", "random", "per_replica")
+#: the ``tensor_id`` of the servers' RNG stream: no tensor has it, so a server never draws the
+#: numbers a compressor with the same seed draws.
+SERVER_STREAM = -1
 REFRESH_RULES = ("cyclic", "random")
 
 
@@ -116,7 +119,7 @@ class DelayedGradients(Server):
             return tf.constant(self.delay, tf.int32)
         return tf.random.stateless_uniform(
             [num_workers],
-            seed=rng_seed(self.seed, step, 0),
+            seed=rng_seed(self.seed, step, SERVER_STREAM),
             minval=0,
             maxval=self.delay + 1,
             dtype=tf.int32,
@@ -196,7 +199,9 @@ class IAG(Server):
             offset = (tf.range(num_workers, dtype=tf.int64) - first) % num_workers
             chosen = offset < self.num_refresh
         else:
-            keys = tf.random.stateless_uniform([num_workers], seed=rng_seed(self.seed, step, 0))
+            keys = tf.random.stateless_uniform(
+                [num_workers], seed=rng_seed(self.seed, step, SERVER_STREAM)
+            )
             rank = tf.argsort(tf.argsort(keys))
             chosen = rank < self.num_refresh
         return tf.logical_or(chosen, tf.equal(t, 0))
