@@ -364,3 +364,14 @@ def test_bad_worker_counts_and_gradient_shapes_raise_value_error(mirrored2):
         opt = ServerOptimizer(keras.optimizers.SGD(), tfs.Identity(), IAG(), workers=2)
         with pytest.raises(ValueError, match="workers=None"):
             opt.build([v])
+
+
+def test_simulated_workers_need_a_server_optimizer_with_workers():
+    x, y = _regression_data()
+    wrapper = SimulatedWorkers(_mlp())
+    wrapper.compile(
+        optimizer=ServerOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=2), DelayedGradients(1)),
+        loss="mse",
+    )
+    with pytest.raises(ValueError, match="workers=P"):
+        wrapper.fit(x, y, batch_size=8, epochs=1, verbose=0)
