@@ -41,7 +41,7 @@ EXTRA_GAP_K = (0.003, 0.03, 0.3)
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", default="mlp,logreg", help="comma list of mlp, logreg")
-    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--epochs", type=int, default=None, help="20 (4 with --quick)")
     p.add_argument("--gap-epochs", type=int, default=None, help="epochs of the extra-K runs")
     p.add_argument("--batch-size", type=int, default=32, help="global batch size")
     p.add_argument("--lr", type=float, default=0.1)
@@ -53,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/topk_study")
     args = p.parse_args(argv)
     if args.quick:
-        args.epochs, args.dgc = 4, False
+        args.dgc = False
+    args.epochs = args.epochs or (4 if args.quick else 20)
     args.gap_epochs = args.gap_epochs or (0 if args.quick else args.epochs)
     args.task_list = [t for t in args.tasks.split(",") if t]
     bad = [t for t in args.task_list if t not in ("mlp", "logreg")]

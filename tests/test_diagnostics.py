@@ -260,3 +260,25 @@ def test_diagnostics_record_is_the_mean_over_replicas(mirrored2):
     # replica 0: [25, 25, 9, 1, 9]; replica 1: [1, 1, 0, 1, 0]
     np.testing.assert_allclose(opt.diagnostics.numpy(), [[13.0, 13.0, 4.5, 1.0, 4.5]])
     assert int(opt.diagnostics_step.numpy()) == 1
+
+
+def test_topk_study_quick_run(tmp_path):
+    """The study script end to end on its smallest setting: files, table, and the paper's
+    qualitative result that error feedback beats no error feedback at K = 0.1%."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "topk_study.py")
+    spec = importlib.util.spec_from_file_location("topk_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    out = str(tmp_path / "study")
+    results = study.main(["--quick", "--epochs", "2", "--tasks", "logreg", "--out", out])
+    for name in ("table.md", "results.json", "norm_gap_vs_k.png", "convergence.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+    assert len(results) == 7 and all(r["epochs"] == 2 for r in results)
+    by = {(r["k"], r["ef"]): r for r in results}
+    assert by[(0.001, True)]["loss"][-1] < by[(0.001, False)]["loss"][-1]
+    for r in results:
+        assert r["norm_gap_max"] <= r["norm_gap_bound"] + 1e-6
+    assert by[(1.0, False)]["bytes_per_step"][-1] == 4 * 650
+    assert by[(0.01, True)]["bytes_per_step"][-1] == 8 * 7  # ceil(1% of 650) values + indices
