@@ -346,3 +346,39 @@ def test_density_warmup_changes_what_is_sent_and_counted():
     assert all(len(v) == 1 for v in per_epoch.values()) and len(per_epoch) == 5
     assert opt.compressor == tfs.TopK(0.02)
     assert int(opt.bytes_sent.numpy()) == sum(4 * b for b in hist["bytes_per_step"])
+
+
+def test_keras_file_keeps_momenta_and_options_and_continues(tmp_path):
+    """A .keras round trip carries the momentum buffers and every heuristic option."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((32, 6)).astype("float32")
+    y = rng.integers(0, 3, 32)
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
+    )
+    opt = tfs.SparsifiedOptimizer(
+        keras.optimizers.SGD(0.1),
+        tfs.TopK(0.25),
+        momentum_correction=0.8,
+        local_clipnorm=1.0,
+        skip_1d=True,
+        diagnostics_every=2,
+    )
+    model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    lopt = loaded.optimizer
+    assert lopt.pipeline.get_config() == opt.pipeline.get_config()
+    assert lopt.diagnostics_every == 2
+    for a, b in zip(opt.momenta, lopt.momenta, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert np.abs(a.numpy()).sum() > 0
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+    model.train_on_batch(x[:8], y[:8])
+    loaded.train_on_batch(x[:8], y[:8])
+    for a, b in zip(model.weights, loaded.weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
