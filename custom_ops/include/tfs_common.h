@@ -59,7 +59,8 @@ TFS_HD float HashUniform(int64_t seed, int64_t index) {
   const uint32_t key0 = static_cast<uint32_t>(s);
   const uint32_t key1 = static_cast<uint32_t>(s >> 32);
   const uint32_t h = Fmix32(Fmix32(static_cast<uint32_t>(index) ^ key0) ^ key1);
-  return static_cast<float>(h >> 8) * 5.9604644775390625e-08f;  // 2^-24
+  // h >> 8 < 2^24 converts exactly; going through int32 lets the conversion vectorize.
+  return static_cast<float>(static_cast<int32_t>(h >> 8)) * 5.9604644775390625e-08f;  // 2^-24
 }
 
 // QSGD geometry: one bucket of the whole tensor when bucket_size is 0.
@@ -93,14 +94,15 @@ TFS_HD int64_t Pow2Ceil(int64_t x) {
 
 // One QSGD level: r = |x| / norm * levels (norm 1 when it is not > 0), floor(r) rounded up with
 // probability frac(r), capped at levels, signed like x; NaN levels (NaN input, Inf / Inf) give 0.
+// Written with selects only, so that loops over it vectorize.
 TFS_HD int QuantizeOne(float x, float norm, float levels, float u) {
   const float safe = norm > 0.0f ? norm : 1.0f;
   const float r = TFS_FMUL(TFS_FDIV(fabsf(x), safe), levels);
   const float fl = floorf(r);
   const float level = TFS_FADD(fl, (u < TFS_FSUB(r, fl)) ? 1.0f : 0.0f);
-  if (level != level) return 0;
-  const int capped = static_cast<int>(level < levels ? level : levels);
-  return x < 0.0f ? -capped : capped;
+  const float capped = level < levels ? level : levels;
+  const float finite = level != level ? 0.0f : capped;
+  return static_cast<int>(x < 0.0f ? -finite : finite);
 }
 
 // Scale of one QSGD bucket in the decoder: norm / levels.

@@ -80,6 +80,18 @@ void BucketNorms(OpKernelContext* ctx, const T* x, int64_t n, int64_t bucket_siz
   }
 }
 
+// q[0:len] for x[0:len], whose first flat index is `first`, all in one bucket.
+template <typename T, typename Q>
+__attribute__((target_clones("avx2", "default"))) void QuantizeRun(const T* __restrict__ x, int64_t len, int64_t first, float norm, float levels,
+                 int64_t seed, Q* __restrict__ q) {
+  const uint32_t base = static_cast<uint32_t>(first);
+  for (int64_t j = 0; j < len; ++j) {
+    const uint32_t index = base + static_cast<uint32_t>(j);
+    q[j] = static_cast<Q>(
+        tfs::QuantizeOne(static_cast<float>(x[j]), norm, levels, tfs::HashUniform(seed, index)));
+  }
+}
+
 template <typename T, typename Q>
 class QsgdQuantizeCpuOp : public OpKernel {
  public:
@@ -113,10 +125,8 @@ class QsgdQuantizeCpuOp : public OpKernel {
         const int64_t j = i / b;
         const int64_t stop = std::min(end, (j + 1) * b);
         const float norm = norms[j];
-        for (; i < stop; ++i) {
-          q[i] = static_cast<Q>(tfs::QuantizeOne(static_cast<float>(x[i]), norm, levels,
-                                                 tfs::HashUniform(seed, i)));
-        }
+        QuantizeRun(x + i, stop - i, i, norm, levels, seed, q + i);
+        i = stop;
       }
     });
   }

@@ -1,20 +1,21 @@
 // CPU kernel of TopKErrorFeedback: multi-threaded selection on magnitude keys.
 //
 // The flat tensor is split into one contiguous chunk per worker thread; every pass uses the
-// same chunks, so per-chunk counts from one pass give exact output offsets in a later one.
-// Fast path (k <= n / 8): the k-th largest key is estimated from a strided sample of
-// grad + residual; one fused pass writes acc = grad + residual to new_residual and gathers
-// (index, value) of every entry whose key reaches the estimate. When that set holds at least
-// k entries, the exact k-th key and its ties are resolved among them and the outputs are
-// written from it: one pass over memory in all. Otherwise (and when k > n / 8) radix selection:
-//   1. Histogram the top digit of the keys (fused with the add when it has not run yet). The
-//      digit holding the k-th largest key defines a band [lo, hi]: keys above it are selected,
-//      `need` more come from the band.
-//   2. Until the band is resolved (need == 0, need == all of it, or a single key), either its
-//      keys are gathered (when few) and the exact k-th key is found among them, or one more
-//      read-only pass histograms the next digit inside the band.
-//   3. A last pass emits, in ascending index order, keys above the band plus the first `need`
-//      band members by index, and zeroes them in new_residual.
+// same chunks, so per-chunk counts give exact output offsets and ascending output order.
+//
+// Fast path (k <= n / 8): the k-th largest key is estimated from samples of grad + residual;
+// one fused pass writes acc = grad + residual to new_residual and gathers the (index, value)
+// of every entry whose key reaches the estimate, histogramming their top key digit. When that
+// set holds at least k entries it contains the whole top k, and the selection below runs on
+// it alone: one pass over memory in all. Otherwise (or when k > n / 8) the same selection runs
+// on the whole of acc, from a top-digit histogram taken with the add (or after it).
+//
+// Selection (radix on a "source", the gathered sets or all of acc): the digit holding the k-th
+// largest key defines a band [lo, hi]; keys above it are selected and `need` more come from
+// the band. Until the band is resolved (need == 0, need == all of it, or a single key) either
+// its keys are gathered (when few) and the exact k-th key found among them, or the next digit
+// inside the band is histogrammed. A last scan emits, in ascending index order, keys above the
+// band and the first `need` band members by index, and zeroes them in new_residual.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
@@ -28,8 +29,8 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SSE4_2__)
-#include <nmmintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
 #endif
 
 #include "tensorflow/core/framework/op_kernel.h"
@@ -47,9 +48,11 @@ constexpr int64_t kMinChunk = int64_t{1} << 15;
 constexpr int64_t kMaxChunk = int64_t{1} << 31;  // keeps uint32 histogram counters exact
 constexpr int64_t kBlock = 1024;                 // fused add + histogram step
 constexpr int64_t kScan = 16;                    // vectorized "anything here?" test
-constexpr int64_t kMinGather = int64_t{1} << 16;
-constexpr int64_t kMinSampled = int64_t{1} << 16;  // smallest n for the sampled fast path
+constexpr int64_t kMinGather = int64_t{1} << 16;   // dense bands this small are gathered
+constexpr int64_t kSmallGather = int64_t{1} << 12;  // so are bands of gathered entries
+constexpr int64_t kMinSampled = int64_t{1} << 16;   // smallest n for the sampled fast path
 constexpr int64_t kMaxSamples = int64_t{1} << 15;
+constexpr int64_t kSampleRun = 16;  // consecutive samples (a cache line of float32)
 
 template <typename T>
 using KeyT = typename tfs::KeyOf<sizeof(T)>::Bits;
@@ -90,9 +93,40 @@ void AddInPlace(T* __restrict__ out, const T* __restrict__ a, int64_t len) {
   for (int64_t i = 0; i < len; ++i) out[i] += a[i];
 }
 
+#if defined(__x86_64__)
+// float16 add through F16C conversions (round to nearest even, like Eigen's software path).
+__attribute__((target("avx,f16c"))) void AddHalfF16c(const Eigen::half* a, const Eigen::half* b,
+                                                       Eigen::half* out, int64_t len) {
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
+    const __m256 y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_add_ps(x, y), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < len; ++i) out[i] = a[i] + b[i];
+}
+
+bool HasF16c() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  }();
+  return has;
+}
+#endif
+
 // acc[b:e] = grad + residual (acc may be residual).
 template <typename T>
 void Add(const T* grad, const T* residual, T* acc, int64_t b, int64_t e) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, Eigen::half>) {
+    if (HasF16c()) {
+      AddHalfF16c(grad + b, residual + b, acc + b, e - b);
+      return;
+    }
+  }
+#endif
   if (acc == residual) {
     AddInPlace(acc + b, grad + b, e - b);
   } else {
@@ -121,47 +155,6 @@ void AddAndHistogram(const T* grad, const T* residual, T* acc, int64_t b, int64_
     Add(grad, residual, acc, i0, i1);
     Histogram(acc, i0, i1, shift, h0, h1);
   }
-}
-
-// Candidate band: keys in [lo, hi]; `need` of them are still to be selected. Per chunk,
-// `above` counts keys > hi and `in` keys inside the band.
-template <typename Key>
-struct Band {
-  Key lo;
-  Key hi;
-  int64_t need;
-  std::vector<int64_t> above;
-  std::vector<int64_t> in;
-
-  int64_t InTotal() const {
-    int64_t s = 0;
-    for (int64_t v : in) s += v;
-    return s;
-  }
-  bool Resolved() const { return need == 0 || lo == hi || need == InTotal(); }
-};
-
-// Narrows the band to the digit (bits [shift, shift + log2(bins)) of the key) that holds the
-// need-th largest key, from per-chunk histograms spaced `stride` apart.
-template <typename Key>
-void PickDigit(const std::vector<uint32_t>& hist, int64_t stride, int64_t bins, int shift,
-               Band<Key>* band) {
-  const int64_t chunks = static_cast<int64_t>(band->in.size());
-  std::vector<int64_t> total(bins, 0);
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t d = 0; d < bins; ++d) total[d] += hist[c * stride + d];
-  }
-  int64_t digit = bins - 1;
-  int64_t above = 0;
-  while (above + total[digit] < band->need) above += total[digit--];
-  for (int64_t c = 0; c < chunks; ++c) {
-    const uint32_t* h = hist.data() + c * stride;
-    for (int64_t d = digit + 1; d < bins; ++d) band->above[c] += h[d];
-    band->in[c] = h[digit];
-  }
-  band->need -= above;
-  band->lo = static_cast<Key>(band->lo + (static_cast<Key>(digit) << shift));
-  band->hi = static_cast<Key>(band->lo + ((static_cast<Key>(1) << shift) - 1));
 }
 
 // Bit j (j < kScan) is set when lo <= key(p[j]) <= hi.
@@ -230,24 +223,108 @@ template <typename T>
 constexpr KeyT<T> kMaxKey = static_cast<KeyT<T>>(
     (KeyT<T>{1} << (tfs::KeyOf<sizeof(T)>::kBits - 1) << 1) - 1);
 
-// Gathers the band's keys and resolves it to the single key of the need-th largest.
+// Candidate band: keys in [lo, hi]; `need` of them are still to be selected. Per chunk,
+// `above` counts keys > hi and `in` keys inside the band.
+template <typename Key>
+struct Band {
+  Key lo;
+  Key hi;
+  int64_t need;
+  std::vector<int64_t> above;
+  std::vector<int64_t> in;
+
+  int64_t InTotal() const {
+    int64_t s = 0;
+    for (int64_t v : in) s += v;
+    return s;
+  }
+  bool Resolved() const { return need == 0 || lo == hi || need == InTotal(); }
+};
+
+// Narrows the band to the digit (bits [shift, shift + log2(bins)) of the key) that holds the
+// need-th largest key, from per-chunk histograms spaced `stride` apart.
+template <typename Key>
+void PickDigit(const std::vector<uint32_t>& hist, int64_t stride, int64_t bins, int shift,
+               Band<Key>* band) {
+  const int64_t chunks = static_cast<int64_t>(band->in.size());
+  std::vector<int64_t> total(bins, 0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t d = 0; d < bins; ++d) total[d] += hist[c * stride + d];
+  }
+  int64_t digit = bins - 1;
+  int64_t above = 0;
+  while (above + total[digit] < band->need) above += total[digit--];
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint32_t* h = hist.data() + c * stride;
+    for (int64_t d = digit + 1; d < bins; ++d) band->above[c] += h[d];
+    band->in[c] = h[digit];
+  }
+  band->need -= above;
+  band->lo = static_cast<Key>(band->lo + (static_cast<Key>(digit) << shift));
+  band->hi = static_cast<Key>(band->lo + ((static_cast<Key>(1) << shift) - 1));
+}
+
+// Source of the whole of acc: Scan(c, lo, hi, f) calls f(index, key, value) for the entries
+// of chunk c with key in [lo, hi], in ascending index order.
 template <typename T>
-void GatherAndResolve(OpKernelContext* ctx, const T* acc, const Chunks& chunks,
-                      Band<KeyT<T>>* band) {
+struct DenseSource {
+  const T* acc;
+  const Chunks& chunks;
+
+  template <bool kPrefetch, typename F>
+  void Scan(int64_t c, KeyT<T> lo, KeyT<T> hi, F&& f) const {
+    ForEachInBand(acc, chunks.Begin(c), chunks.End(c), lo, hi,
+                  [&](int64_t i) { f(i, KeyAt(acc + i), acc[i]); });
+  }
+};
+
+// Entries of one chunk whose key reached the estimated threshold, in index order.
+template <typename T>
+struct Candidates {
+  std::unique_ptr<uint32_t[]> offset;  // index - chunk begin
+  std::unique_ptr<T[]> value;
+  int64_t capacity = 0;
+  int64_t count = 0;
+  bool overflow = false;
+};
+
+// Source of the gathered entries; kPrefetch prefetches acc at indices ahead (for zeroing).
+template <typename T>
+struct SparseSource {
+  const std::vector<Candidates<T>>& cand;
+  const Chunks& chunks;
+  const T* acc;
+
+  template <bool kPrefetch, typename F>
+  void Scan(int64_t c, KeyT<T> lo, KeyT<T> hi, F&& f) const {
+    constexpr int64_t kAhead = 16;
+    const Candidates<T>& cc = cand[c];
+    const T* base = acc + chunks.Begin(c);
+    for (int64_t j = 0; j < cc.count; ++j) {
+      if (kPrefetch && j + kAhead < cc.count) __builtin_prefetch(base + cc.offset[j + kAhead], 1);
+      const KeyT<T> key = KeyAt(&cc.value[j]);
+      if (key >= lo && key <= hi) f(chunks.Begin(c) + cc.offset[j], key, cc.value[j]);
+    }
+  }
+};
+
+// Gathers the band's keys and resolves it to the single key of the need-th largest.
+template <typename T, typename Source>
+void GatherAndResolve(OpKernelContext* ctx, const Source& src, Band<KeyT<T>>* band) {
   using Key = KeyT<T>;
-  std::vector<int64_t> offset(chunks.count + 1, 0);
-  for (int64_t c = 0; c < chunks.count; ++c) offset[c + 1] = offset[c] + band->in[c];
-  std::vector<Key> keys(offset[chunks.count]);
-  ForEachChunk(ctx, chunks.count, [&](int64_t c) {
+  const int64_t chunks = static_cast<int64_t>(band->in.size());
+  std::vector<int64_t> offset(chunks + 1, 0);
+  for (int64_t c = 0; c < chunks; ++c) offset[c + 1] = offset[c] + band->in[c];
+  std::vector<Key> keys(offset[chunks]);
+  ForEachChunk(ctx, chunks, [&](int64_t c) {
     Key* out = keys.data() + offset[c];
-    ForEachInBand(acc, chunks.Begin(c), chunks.End(c), band->lo, band->hi,
-                  [&](int64_t i) { *out++ = KeyAt(acc + i); });
+    src.template Scan<false>(c, band->lo, band->hi, [&](int64_t, Key key, T) { *out++ = key; });
   });
   std::vector<Key> order(keys);
   std::nth_element(order.begin(), order.begin() + (band->need - 1), order.end(),
                    std::greater<Key>());
   const Key kth = order[band->need - 1];
-  for (int64_t c = 0; c < chunks.count; ++c) {
+  for (int64_t c = 0; c < chunks; ++c) {
     int64_t greater = 0;
     int64_t equal = 0;
     for (int64_t j = offset[c]; j < offset[c + 1]; ++j) {
@@ -261,24 +338,88 @@ void GatherAndResolve(OpKernelContext* ctx, const T* acc, const Chunks& chunks,
   band->lo = band->hi = kth;
 }
 
+// Radix selection of the top k of `src` from per-chunk histograms (spaced `stride`) of its top
+// digit at `shift`; writes values and indices and zeroes the selected entries of acc.
+template <typename T, typename Index, typename Source>
+void SelectFrom(OpKernelContext* ctx, const Source& src, int64_t gather_limit,
+                std::vector<uint32_t>& hist, int64_t stride, int64_t bins, int shift, int64_t k,
+                T* acc, T* values, Index* indices) {
+  using Key = KeyT<T>;
+  const int64_t chunks = static_cast<int64_t>(hist.size() / stride);
+  Band<Key> band{0, 0, k, std::vector<int64_t>(chunks, 0), std::vector<int64_t>(chunks, 0)};
+  PickDigit(hist, stride, bins, shift, &band);
+  while (!band.Resolved()) {
+    if (band.InTotal() <= gather_limit) {
+      GatherAndResolve<T>(ctx, src, &band);
+      break;
+    }
+    const int next = std::max(shift - tfs::kDigitBits, 0);
+    bins = int64_t{1} << (shift - next);
+    const Key mask = static_cast<Key>(bins - 1);
+    hist.assign(chunks * bins, 0);
+    ForEachChunk(ctx, chunks, [&](int64_t c) {
+      uint32_t* h = hist.data() + c * bins;
+      src.template Scan<false>(c, band.lo, band.hi,
+                               [&](int64_t, Key key, T) { ++h[(key >> next) & mask]; });
+    });
+    shift = next;
+    PickDigit(hist, bins, bins, shift, &band);
+  }
+
+  std::vector<int64_t> offset(chunks, 0);
+  std::vector<int64_t> quota(chunks, 0);
+  int64_t before_in = 0;
+  int64_t out = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    quota[c] = std::clamp<int64_t>(band.need - before_in, 0, band.in[c]);
+    before_in += band.in[c];
+    offset[c] = out;
+    out += band.above[c] + quota[c];
+  }
+  const Key hi = band.hi;
+  ForEachChunk(ctx, chunks, [&](int64_t c) {
+    int64_t o = offset[c];
+    int64_t taken = 0;
+    src.template Scan<true>(c, band.lo, kMaxKey<T>, [&](int64_t i, Key key, T value) {
+      if (key > hi || taken < quota[c]) {
+        taken += key <= hi;
+        indices[o] = static_cast<Index>(i);
+        values[o] = value;
+        acc[i] = T(0);
+        ++o;
+      }
+    });
+  });
+}
+
 // Estimates a key threshold with about k * (1 + 4 / sqrt(k_s)) + 8 n / n_s entries at or above
-// it from n_s strided samples of grad + residual (k_s = k n_s / n expected above the k-th key).
-// Returns false when the estimate is useless (it would take nearly everything, or key 0).
+// it from n_s samples of grad + residual, taken in runs of kSampleRun (k_s = k n_s / n is the
+// expected number of samples above the k-th key). Returns false when the estimate is useless
+// (it would take nearly everything, or key 0).
 template <typename T>
 bool EstimateThreshold(OpKernelContext* ctx, const T* grad, const T* residual,
                        const Chunks& chunks, int64_t k, KeyT<T>* lo, int64_t* expected) {
   const int64_t n = chunks.n;
-  const int64_t samples = std::min(n, std::clamp<int64_t>(n / 64, 4096, kMaxSamples));
+  const int64_t runs = std::clamp<int64_t>(n / 64, 4096, kMaxSamples) / kSampleRun;
+  const int64_t samples = runs * kSampleRun;
   const double per_sample = static_cast<double>(k) * samples / n;
   const int64_t rank = static_cast<int64_t>(per_sample + 4.0 * std::sqrt(per_sample) + 8.0);
   if (rank >= samples / 2) return false;
   std::vector<KeyT<T>> keys(samples);
   ForEachChunk(ctx, chunks.count, [&](int64_t c) {
-    for (int64_t s = samples * c / chunks.count, e = samples * (c + 1) / chunks.count; s < e;
-         ++s) {
-      const int64_t i = s * n / samples;
-      const T a = grad[i] + residual[i];
-      keys[s] = KeyAt(&a);
+    constexpr int64_t kAhead = 8;
+    const int64_t step = (n - kSampleRun) / runs;
+    const int64_t last = runs * (c + 1) / chunks.count;
+    for (int64_t run = runs * c / chunks.count; run < last; ++run) {
+      const int64_t i0 = step * run;
+      if (run + kAhead < last) {
+        __builtin_prefetch(grad + i0 + kAhead * step);
+        __builtin_prefetch(residual + i0 + kAhead * step);
+      }
+      for (int64_t j = 0; j < kSampleRun; ++j) {
+        const T a = grad[i0 + j] + residual[i0 + j];
+        keys[run * kSampleRun + j] = KeyAt(&a);
+      }
     }
   });
   std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<KeyT<T>>());
@@ -287,71 +428,65 @@ bool EstimateThreshold(OpKernelContext* ctx, const T* grad, const T* residual,
   return *lo > 0;
 }
 
-// The k-th largest of `keys` (k >= 1): radix digits narrow the set, nth_element finishes.
-template <typename Key>
-Key KthLargest(std::vector<Key> keys, int64_t k, int key_bits) {
-  constexpr size_t kSmall = 4096;
-  for (int shift = key_bits; keys.size() > kSmall && shift > 0;) {
-    const int next = std::max(shift - tfs::kDigitBits, 0);
-    const Key mask = static_cast<Key>((Key{1} << (shift - next)) - 1);
-    std::vector<int64_t> hist(size_t{1} << (shift - next), 0);
-    for (const Key key : keys) ++hist[(key >> next) & mask];
-    int64_t digit = static_cast<int64_t>(hist.size()) - 1;
-    while (hist[digit] < k) k -= hist[digit--];
-    keys.erase(std::remove_if(keys.begin(), keys.end(),
-                              [&](Key key) {
-                                return static_cast<int64_t>((key >> next) & mask) != digit;
-                              }),
-               keys.end());
-    shift = next;
-  }
-  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<Key>());
-  return keys[k - 1];
-}
-
-// Entries of one chunk whose key reached the estimated threshold, in index order.
-template <typename T>
-struct Candidates {
-  std::unique_ptr<uint32_t[]> offset;  // index - chunk begin
-  std::unique_ptr<T[]> value;
-  int64_t capacity = 0;
-  int64_t count = 0;
-  bool overflow = false;
-};
-
-// acc[b:e] = grad + residual, gathering entries with key >= lo into `out`.
+// acc[b:e] = grad + residual, gathering entries with key >= lo into `out` and histogramming
+// their key >> shift into `hist`.
 template <typename T>
 void AddAndCollect(const T* grad, const T* residual, T* acc, int64_t b, int64_t e, KeyT<T> lo,
-                   Candidates<T>* out) {
+                   int shift, uint32_t* hist, Candidates<T>* out) {
   uint32_t* offset = out->offset.get();
   T* value = out->value.get();
   const int64_t capacity = out->capacity;
   int64_t count = 0;
-  for (int64_t i0 = b; i0 < e; i0 += kBlock) {
+  auto record = [&](int64_t i) {
+    if (count < capacity) {
+      offset[count] = static_cast<uint32_t>(i - b);
+      value[count] = acc[i];
+      ++hist[KeyAt(acc + i) >> shift];
+    }
+    ++count;
+  };
+  int64_t i0 = b;
+#if defined(__SSE4_2__)
+  if constexpr (std::is_same_v<T, float>) {
+    // Fused: add four vectors, store them and test their keys against lo in one go.
+    const __m128i sign_off = _mm_set1_epi32(0x7FFFFFFF);
+    const __m128i below = _mm_set1_epi32(static_cast<int32_t>(lo) - 1);
+    for (; i0 + kScan <= e; i0 += kScan) {
+      uint32_t m = 0;
+      for (int v = 0; v < 4; ++v) {
+        const __m128 sum =
+            _mm_add_ps(_mm_loadu_ps(grad + i0 + 4 * v), _mm_loadu_ps(residual + i0 + 4 * v));
+        _mm_storeu_ps(acc + i0 + 4 * v, sum);
+        const __m128i key = _mm_and_si128(_mm_castps_si128(sum), sign_off);
+        m |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(key, below))))
+             << (4 * v);
+      }
+      for (; m != 0; m &= m - 1) record(i0 + __builtin_ctz(m));
+    }
+  }
+#endif
+  for (; i0 < e; i0 += kBlock) {
     const int64_t i1 = std::min(e, i0 + kBlock);
     Add(grad, residual, acc, i0, i1);
-    ForEachInBand(acc, i0, i1, lo, kMaxKey<T>, [&](int64_t i) {
-      if (count < capacity) {
-        offset[count] = static_cast<uint32_t>(i - b);
-        value[count] = acc[i];
-      }
-      ++count;
-    });
+    ForEachInBand(acc, i0, i1, lo, kMaxKey<T>, record);
   }
   out->overflow = count > capacity;
   out->count = std::min(count, capacity);
 }
 
-// The fast path: fused add and gather of keys >= lo (about `expected` of them), then exact
-// selection among the gathered entries. Returns false (acc written, nothing selected) when the
-// gathered set may miss part of the top k.
+// The fast path: fused add and gather of keys >= lo (about `expected` of them), then selection
+// among the gathered entries. Returns false (acc written, nothing selected) when the gathered
+// set may miss part of the top k.
 template <typename T, typename Index>
 bool SampledSelect(OpKernelContext* ctx, const T* grad, const T* residual, T* acc,
                    const Chunks& chunks, int64_t k, KeyT<T> lo, int64_t expected, T* values,
                    Index* indices) {
-  using Key = KeyT<T>;
+  constexpr int kKeyBits = tfs::KeyOf<sizeof(T)>::kBits;
+  const int width = std::min(kKeyBits, tfs::kDigitBits);
+  const int shift = kKeyBits - width;
+  const int64_t bins = int64_t{1} << width;
   std::vector<Candidates<T>> cand(chunks.count);
-  bool complete = true;
+  std::vector<uint32_t> hist(chunks.count * bins, 0);
   ForEachChunk(ctx, chunks.count, [&](int64_t c) {
     const int64_t b = chunks.Begin(c);
     const int64_t e = chunks.End(c);
@@ -359,123 +494,17 @@ bool SampledSelect(OpKernelContext* ctx, const T* grad, const T* residual, T* ac
     cc.capacity = std::min(e - b, 2 * expected + 4096);
     cc.offset.reset(new uint32_t[cc.capacity]);
     cc.value.reset(new T[cc.capacity]);
-    AddAndCollect(grad, residual, acc, b, e, lo, &cc);
+    AddAndCollect(grad, residual, acc, b, e, lo, shift, hist.data() + c * bins, &cc);
   });
   int64_t total = 0;
   for (const Candidates<T>& cc : cand) {
-    complete &= !cc.overflow;
+    if (cc.overflow) return false;
     total += cc.count;
   }
-  if (!complete || total < k) return false;
-
-  std::vector<Key> keys;
-  keys.reserve(total);
-  for (const Candidates<T>& cc : cand) {
-    for (int64_t j = 0; j < cc.count; ++j) keys.push_back(KeyAt(&cc.value[j]));
-  }
-  const Key kth = KthLargest(std::move(keys), k, tfs::KeyOf<sizeof(T)>::kBits);
-  std::vector<int64_t> greater(chunks.count, 0);
-  std::vector<int64_t> equal(chunks.count, 0);
-  for (int64_t c = 0; c < chunks.count; ++c) {
-    for (int64_t j = 0; j < cand[c].count; ++j) {
-      const Key key = KeyAt(&cand[c].value[j]);
-      greater[c] += key > kth;
-      equal[c] += key == kth;
-    }
-  }
-  int64_t ties = k;
-  for (int64_t g : greater) ties -= g;
-  std::vector<int64_t> out_offset(chunks.count, 0);
-  std::vector<int64_t> quota(chunks.count, 0);
-  int64_t before = 0;
-  int64_t out = 0;
-  for (int64_t c = 0; c < chunks.count; ++c) {
-    quota[c] = std::clamp<int64_t>(ties - before, 0, equal[c]);
-    before += equal[c];
-    out_offset[c] = out;
-    out += greater[c] + quota[c];
-  }
-  ForEachChunk(ctx, chunks.count, [&](int64_t c) {
-    const Candidates<T>& cc = cand[c];
-    const int64_t b = chunks.Begin(c);
-    int64_t o = out_offset[c];
-    int64_t taken = 0;
-    for (int64_t j = 0; j < cc.count; ++j) {
-      const Key key = KeyAt(&cc.value[j]);
-      if (key > kth || (key == kth && taken < quota[c])) {
-        taken += key == kth;
-        const int64_t i = b + cc.offset[j];
-        indices[o] = static_cast<Index>(i);
-        values[o] = cc.value[j];
-        acc[i] = T(0);
-        ++o;
-      }
-    }
-  });
+  if (total < k) return false;
+  const SparseSource<T> src{cand, chunks, acc};
+  SelectFrom(ctx, src, kSmallGather, hist, bins, bins, shift, k, acc, values, indices);
   return true;
-}
-
-// Radix selection on acc (already written) from per-chunk histograms of its top digit.
-template <typename T, typename Index>
-void RadixSelect(OpKernelContext* ctx, T* acc, const Chunks& chunks, int64_t k, int shift,
-                 int64_t bins, std::vector<uint32_t>& hist, T* values, Index* indices) {
-  using Key = KeyT<T>;
-  const int64_t n = chunks.n;
-  Band<Key> band{0, 0, k, std::vector<int64_t>(chunks.count, 0),
-                 std::vector<int64_t>(chunks.count, 0)};
-  PickDigit(hist, 2 * bins, bins, shift, &band);
-
-  // Narrow the band until the final rule is exact.
-  const int64_t gather_limit = std::max(kMinGather, n / 16);
-  while (!band.Resolved()) {
-    if (band.InTotal() <= gather_limit) {
-      GatherAndResolve(ctx, acc, chunks, &band);
-      break;
-    }
-    const int next = std::max(shift - tfs::kDigitBits, 0);
-    bins = int64_t{1} << (shift - next);
-    const Key mask = static_cast<Key>(bins - 1);
-    hist.assign(chunks.count * bins, 0);
-    const Key lo = band.lo;
-    const Key span = static_cast<Key>(band.hi - band.lo);
-    ForEachChunk(ctx, chunks.count, [&](int64_t c) {
-      uint32_t* h = hist.data() + c * bins;
-      for (int64_t i = chunks.Begin(c), e = chunks.End(c); i < e; ++i) {
-        const Key key = KeyAt(acc + i);
-        if (static_cast<Key>(key - lo) <= span) ++h[(key >> next) & mask];
-      }
-    });
-    shift = next;
-    PickDigit(hist, bins, bins, shift, &band);
-  }
-
-  // Emit keys above the band and the first `quota` band members of each chunk.
-  std::vector<int64_t> offset(chunks.count, 0);
-  std::vector<int64_t> quota(chunks.count, 0);
-  int64_t before_in = 0;
-  int64_t out = 0;
-  for (int64_t c = 0; c < chunks.count; ++c) {
-    quota[c] = std::clamp<int64_t>(band.need - before_in, 0, band.in[c]);
-    before_in += band.in[c];
-    offset[c] = out;
-    out += band.above[c] + quota[c];
-  }
-  const Key lo = band.lo;
-  const Key hi = band.hi;
-  ForEachChunk(ctx, chunks.count, [&](int64_t c) {
-    int64_t o = offset[c];
-    int64_t taken = 0;
-    ForEachInBand(acc, chunks.Begin(c), chunks.End(c), lo, kMaxKey<T>, [&](int64_t i) {
-      const Key key = KeyAt(acc + i);
-      if (key > hi || taken < quota[c]) {
-        taken += key <= hi;
-        indices[o] = static_cast<Index>(i);
-        values[o] = acc[i];
-        acc[i] = T(0);
-        ++o;
-      }
-    });
-  });
 }
 
 template <typename T, typename Index>
@@ -501,12 +530,11 @@ void TopKErrorFeedbackCpu(OpKernelContext* ctx, const T* grad, const T* residual
     }
     acc_written = true;
   }
-
   // Top-digit histogram, fused with the add unless the sampled pass wrote acc (16-bit keys
   // are histogrammed whole).
-  const int width0 = kKeyBits <= 16 ? kKeyBits : tfs::kDigitBits;
-  const int shift = kKeyBits - width0;
-  const int64_t bins = int64_t{1} << width0;
+  const int width = kKeyBits <= 16 ? kKeyBits : tfs::kDigitBits;
+  const int shift = kKeyBits - width;
+  const int64_t bins = int64_t{1} << width;
   std::vector<uint32_t> hist(chunks.count * 2 * bins, 0);
   ForEachChunk(ctx, chunks.count, [&](int64_t c) {
     uint32_t* h = hist.data() + c * 2 * bins;
@@ -517,7 +545,9 @@ void TopKErrorFeedbackCpu(OpKernelContext* ctx, const T* grad, const T* residual
     }
     for (int64_t d = 0; d < bins; ++d) h[d] += h[bins + d];
   });
-  RadixSelect(ctx, acc, chunks, k, shift, bins, hist, values, indices);
+  const DenseSource<T> src{acc, chunks};
+  SelectFrom(ctx, src, std::max(kMinGather, n / 16), hist, 2 * bins, bins, shift, k, acc, values,
+             indices);
 }
 
 template <typename T, typename Index>
