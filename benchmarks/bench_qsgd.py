@@ -1,0 +1,89 @@
+"""QSGD: fused quantize / dequantize ops vs the pure-TF reference vs NumPy vs bandwidth.
+
+``python benchmarks/bench_qsgd.py [--n 10000000] [--config 4:512]`` prints, for each n and
+``levels:bucket_size`` configuration (bucket 0 = one bucket), the best of ``--repeats`` runs of:
+
+* fused: ``tf_sparsify.ops.qsgd_quantize`` and ``qsgd_dequantize``;
+* TF composite: the same computation in TensorFlow ops (``tf_sparsify.ops.reference``);
+* NumPy: the NumPy model of the op (``tf_sparsify.ops.numpy_reference``);
+* bandwidth: one pass reading the float32 input and writing an int8 payload
+  (``np.copyto`` with an unsafe cast into an existing buffer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tf_sparsify import ops  # noqa: E402
+from tf_sparsify.ops import numpy_reference, reference  # noqa: E402
+
+
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Best wall time of ``repeats`` calls after one warm-up, in milliseconds."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def run(n: int, levels: int, bucket: int, repeats: int) -> None:
+    x = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    t = tf.constant(x)
+    seed = tf.constant(1, tf.int64)
+    q, norms = ops.qsgd_quantize(t, levels, bucket, seed)
+    ref_quantize = tf.function(lambda v: reference.qsgd_quantize(v, levels, bucket, seed))
+    ref_dequantize = tf.function(
+        lambda a, b: reference.qsgd_dequantize(a, b, levels, bucket, [n], tf.float32)
+    )
+    payload = np.empty(n, np.int8 if levels <= 127 else np.int16)
+    bits = x.view(np.uint32)
+    rows = {
+        "fused quantize": best_ms(lambda: ops.qsgd_quantize(t, levels, bucket, seed), repeats),
+        "TF composite quantize (tf.function)": best_ms(lambda: ref_quantize(t), repeats),
+        "NumPy quantize": best_ms(
+            lambda: numpy_reference.qsgd_quantize(bits, "float32", levels, bucket, 1),
+            max(repeats // 2, 1),
+        ),
+        "fused dequantize": best_ms(
+            lambda: ops.qsgd_dequantize(q, norms, levels, bucket, [n], tf.float32), repeats
+        ),
+        "TF composite dequantize (tf.function)": best_ms(lambda: ref_dequantize(q, norms), repeats),
+        "bandwidth: float32 -> int8 copy": best_ms(
+            lambda: np.copyto(payload, x, casting="unsafe"), repeats
+        ),
+    }
+    fused = rows["fused quantize"]
+    print(f"\nn = {n:,}, levels = {levels}, bucket_size = {bucket}, float32, best of {repeats}")
+    for name, ms in rows.items():
+        print(f"  {name:40s} {ms:9.2f} ms   {ms / fused:7.2f}x fused quantize")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[1_000_000, 10_000_000, 50_000_000])
+    parser.add_argument(
+        "--config", nargs="+", default=["4:512", "127:0"], help="levels:bucket_size pairs"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"TensorFlow {tf.__version__}; {ops.info()}")
+    for n in args.n:
+        for config in args.config:
+            levels, bucket = (int(v) for v in config.split(":"))
+            run(n, levels, bucket, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
