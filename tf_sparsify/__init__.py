@@ -1,5 +1,6 @@
 """tf_sparsify: communication-efficient distributed training for TensorFlow and Keras 3."""
 
+from tf_sparsify import distribute, theory
 from tf_sparsify.compressors import (
     BF16,
     FP16,
@@ -38,4 +39,6 @@ __all__ = [
     "TernGrad",
     "TopK",
     "dgc_density_schedule",
+    "distribute",
+    "theory",
 ]
