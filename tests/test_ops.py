@@ -43,6 +43,17 @@ def compiled():
     return ops._library().module
 
 
+@pytest.fixture
+def available():
+    """The ops as dispatched (compiled, else the reference); fails when compiled ones are
+    required but missing."""
+    if not ops.is_compiled() and os.environ.get(ops.REQUIRE_ENV) == "1":
+        pytest.fail(f"compiled ops required but unavailable: {ops.info().reason}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
 def bits_of(t: tf.Tensor) -> np.ndarray:
     return tf.bitcast(t, UINT[t.dtype.size]).numpy()
 
@@ -92,14 +103,14 @@ RNG = np.random.default_rng(1234)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 1023, 100003])
-def test_topk_random(compiled, dtype, n):
+def test_topk_random(available, dtype, n):
     g, r = make(RNG.standard_normal(n), dtype), make(RNG.standard_normal(n), dtype)
     for k in sorted({0, 1, max(n // 1000, 1), max(n // 100, 1), n // 8, n // 8 + 1, n}):
         check_topk(g, r, k, f"n={n} k={k}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_topk_ties(compiled, dtype):
+def test_topk_ties(available, dtype):
     n = 70001
     zeros = make(np.zeros(n), dtype)
     for value in (0.0, -0.0, 1.5):
@@ -114,7 +125,7 @@ def test_topk_ties(compiled, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_topk_extremes_and_nan(compiled, dtype):
+def test_topk_extremes_and_nan(available, dtype):
     n = 4099
     info = ml_dtypes.finfo(dtype.as_numpy_dtype)
     x = RNG.standard_normal(n)
@@ -135,7 +146,7 @@ def test_topk_extremes_and_nan(compiled, dtype):
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
-def test_topk_paths(compiled, dtype):
+def test_topk_paths(available, dtype):
     """Cases that defeat the sampled fast path or need several radix levels."""
     n = 1 << 18
     base = np.abs(RNG.standard_normal(n)) * 1e-3
@@ -151,14 +162,14 @@ def test_topk_paths(compiled, dtype):
 
 
 @pytest.mark.parametrize("shape", [[3, 5, 7], [2, 1, 4096], [1]])
-def test_topk_rank(compiled, shape):
+def test_topk_rank(available, shape):
     n = int(np.prod(shape))
     g = make(RNG.standard_normal(shape), tf.float32)
     r = make(RNG.standard_normal(shape), tf.float32)
     check_topk(g, r, max(n // 10, 1))
 
 
-def test_topk_in_place_residual(compiled):
+def test_topk_in_place_residual(available):
     """A forwardable residual is reused; the caller's tensors are never modified."""
     n, k = 200003, 2000
     g = make(RNG.standard_normal(n), tf.float32)
@@ -213,7 +224,7 @@ def test_topk_tf_function_dynamic(compiled):
         (5000, 2, 9000),
     ],
 )
-def test_qsgd_matches_references(compiled, dtype, n, levels, bucket_size):
+def test_qsgd_matches_references(available, dtype, n, levels, bucket_size):
     x = make(RNG.standard_normal(n) * 3, dtype)
     for seed in (0, -7, 2**40 + 12345):
         q, norms = ops.qsgd_quantize(x, levels, bucket_size, seed)
@@ -234,7 +245,7 @@ def test_qsgd_matches_references(compiled, dtype, n, levels, bucket_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qsgd_special_values(compiled, dtype):
+def test_qsgd_special_values(available, dtype):
     info = ml_dtypes.finfo(dtype.as_numpy_dtype)
     x = RNG.standard_normal(3000)
     x[::10] = 0.0
@@ -254,7 +265,7 @@ def test_qsgd_special_values(compiled, dtype):
         assert_bits_equal(norms, en.view(np.uint32), "norms vs numpy")
 
 
-def test_qsgd_unbiased_and_rank(compiled):
+def test_qsgd_unbiased_and_rank(available):
     x = make(RNG.standard_normal([4, 5, 6]), tf.float32)
     seeds = range(400)
     decoded = [
@@ -266,7 +277,7 @@ def test_qsgd_unbiased_and_rank(compiled):
     assert decoded[0].shape == x.shape
 
 
-def test_qsgd_tf_function_dynamic(compiled):
+def test_qsgd_tf_function_dynamic(available):
     f = tf.function(
         lambda x, s: ops.qsgd_quantize(x, 4, 0, s),
         input_signature=[tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([], tf.int64)],
@@ -281,7 +292,7 @@ def test_qsgd_tf_function_dynamic(compiled):
     assert out.shape == [10, 3] and out.dtype == tf.float16
 
 
-def test_invalid_arguments(compiled):
+def test_invalid_arguments(available):
     g = tf.zeros([10])
     bad = tf.errors.InvalidArgumentError
     with pytest.raises(bad, match=r"k must be in \[0, 10\].*k = -1"):
@@ -327,13 +338,18 @@ def test_kernel_validation(compiled):
         compiled.qsgd_quantize(
             g, tf.constant(1, tf.int64), levels=3, bucket_size=-3, out_type=tf.int8
         )
+    q = tf.zeros([6], tf.int8)
+    with pytest.raises(bad, match="norms must be a vector of 2 bucket norms"):
+        compiled.qsgd_dequantize(q, tf.zeros([3]), [6], levels=4, bucket_size=3, dtype=tf.float32)
+    with pytest.raises(bad, match=r"shape \[7\] has 7 elements but signed_levels has 6"):
+        compiled.qsgd_dequantize(q, tf.zeros([2]), [7], levels=4, bucket_size=3, dtype=tf.float32)
     with pytest.raises(bad, match="levels = 300 needs signed levels of type int16"):
         compiled.qsgd_quantize(
             g, tf.constant(1, tf.int64), levels=300, bucket_size=0, out_type=tf.int8
         )
 
 
-def test_saved_model_round_trip(compiled, tmp_path):
+def test_saved_model_round_trip(available, tmp_path):
     class Compress(tf.Module):
         @tf.function(input_signature=[tf.TensorSpec([64], tf.float32)] * 2)
         def topk(self, g, r):
@@ -352,6 +368,28 @@ def test_saved_model_round_trip(compiled, tmp_path):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     for got, want in zip(loaded.qsgd(g), module.qsgd(g), strict=True):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_saved_model_loads_in_fresh_process(compiled, tmp_path):
+    """Importing tf_sparsify.ops registers the ops, so a SavedModel using them loads."""
+
+    class Compress(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([8], tf.float32)])
+        def topk(self, g):
+            return ops.topk_error_feedback(g, tf.zeros_like(g), 2)[1]
+
+    tf.saved_model.save(Compress(), str(tmp_path))
+    code = (
+        "import tensorflow as tf, tf_sparsify.ops\n"
+        f"m = tf.saved_model.load({str(tmp_path)!r})\n"
+        "print(m.topk(tf.constant([1., -5., 2., 0., 7., -1., 3., 0.])).numpy().tolist())"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("[1, 4]")
 
 
 def test_fallback_warns_once(monkeypatch):

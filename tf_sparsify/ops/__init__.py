@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparsify.ops import reference
+from tf_sparsify.ops.numpy_reference import num_buckets
 
 __all__ = [
     "LIBRARY_PATH",
@@ -58,6 +59,10 @@ def _library() -> _Library:
     for name in OP_NAMES:
         tf.no_gradient(name)
     return _Library(module, None)
+
+
+# Load at import so that graphs and SavedModels using the ops can be imported right away.
+_library()
 
 
 def _compiled() -> ModuleType | None:
@@ -229,11 +234,25 @@ def qsgd_dequantize(
         )
     if norms.dtype != tf.float32:
         raise _invalid(f"norms must be float32, got {norms.dtype.name}")
+    n = signed_levels.shape.num_elements()
     if not isinstance(shape, tf.Tensor):
         dims = tf.TensorShape(shape)
         if not dims.is_fully_defined():
             raise _invalid(f"shape must be fully defined, got {dims}")
+        if n is not None and dims.num_elements() != n:
+            raise _invalid(
+                f"shape {dims.as_list()} has {dims.num_elements()} elements but signed_levels "
+                f"has {n}"
+            )
         shape = tf.constant(dims.as_list(), tf.int64)
+    buckets = None if n is None else num_buckets(n, bucket_size)
+    if norms.shape.rank is not None and (
+        norms.shape.rank != 1 or norms.shape[0] not in (None, buckets)
+    ):
+        raise _invalid(
+            f"norms must be a vector of {buckets} bucket norms ({n} elements, "
+            f"bucket_size = {bucket_size}), got shape {norms.shape.as_list()}"
+        )
     ops = _compiled()
     if ops is None:
         return reference.qsgd_dequantize(signed_levels, norms, levels, bucket_size, shape, dtype)
