@@ -3,8 +3,9 @@
 # TensorFlow): builds custom_ops/cuda into libtfs_cuda.so for this GPU's architecture, checks it
 # against the NumPy model on adversarial cases, then times it at n = 100M (k = 1% and 0.1%)
 # against torch.topk plus residual ops and against copies of the same bytes.
-# Usage: bash benchmarks/gpu/run_gpu_checks.sh [gpu_check.py options]; builds under $OUT or
-# /tmp; CUDA_ARCH=90 overrides the detected architecture.
+# Usage: bash benchmarks/gpu/run_gpu_checks.sh [gpu_check.py options]; builds and logs to
+# $OUT/tfs_gpu (or /tmp/tfs_gpu); CUDA_ARCH=90 overrides the detected architecture. About 2
+# minutes on an H200 (30 s of it compiling).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NVCC=${NVCC:-$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")}
@@ -31,4 +32,6 @@ wait "$topk"
 wait "$qsgd"
 "$NVCC" -shared -cudart static "$BUILD/topk.o" "$BUILD/qsgd.o" -o "$BUILD/libtfs_cuda.so"
 echo "built $BUILD/libtfs_cuda.so in $(( $(date +%s) - start )) s"
-exec "$PY" benchmarks/gpu/gpu_check.py --lib "$BUILD/libtfs_cuda.so" "$@"
+"$PY" benchmarks/gpu/gpu_check.py --lib "$BUILD/libtfs_cuda.so" "$@" 2>&1 |
+  tee "$BUILD/gpu_check.log"
+exit "${PIPESTATUS[0]}"
