@@ -1,0 +1,14 @@
+"""``horovod.tensorflow``, or an ImportError that says how to get it."""
+
+from __future__ import annotations
+
+try:
+    import horovod.tensorflow as hvd
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "tf_sparsify.horovod needs Horovod built for TensorFlow (`import horovod.tensorflow` "
+        f"failed: {error}). Build it into the virtualenv with `bash scripts/install_horovod.sh "
+        ".venv` (or `make horovod`)."
+    ) from error
+
+__all__ = ["hvd"]

@@ -1,0 +1,92 @@
+"""The first-step check: every rank must plan the same messages before any payload travels.
+
+Ranks built with a different compressor, ``k``, option, model or dtype would otherwise hand
+Horovod differently named or differently shaped payloads, which it may wait on forever (or,
+for an all-gather of other sizes, accept silently). So before the first exchange each rank
+gathers a fixed-length int64 fingerprint of its plan with one all-gather of a fixed name, and
+every rank raises the same ``InvalidArgumentError`` naming the first field that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from tf_sparsify.compressors.base import serialize
+from tf_sparsify.horovod._hvd import hvd
+from tf_sparsify.pipeline import GradientPipeline, Unit
+
+#: What the fingerprint covers, in the order mismatches are reported.
+FIELDS = ("compressor", "pipeline options", "variable shapes and dtypes", "messages")
+
+
+def plan_fields(pipeline: GradientPipeline, units: Sequence[Unit]) -> list[tuple[str, str]]:
+    """``(field, description)`` pairs of a plan, aligned with :data:`FIELDS`."""
+    options = {k: v for k, v in pipeline.get_config().items() if k != "compressor"}
+    variables = sorted(
+        (i, s.as_list(), u.dtype.name)
+        for u in units
+        for i, s in zip(u.indices, u.shapes, strict=True)
+    )
+    messages = [
+        (list(u.indices), serialize(u.compressor), u.error_feedback, u.wire_bytes) for u in units
+    ]
+    return list(
+        zip(
+            FIELDS,
+            (
+                repr(pipeline.compressor),
+                repr(dict(sorted(options.items()))),
+                ", ".join(f"{dtype}{shape}" for _, shape, dtype in variables),
+                repr(messages),
+            ),
+            strict=True,
+        )
+    )
+
+
+def check_once(done: tf.Variable, fields: Sequence[tuple[str, str]]) -> tf.Tensor:
+    """Run the check unless ``done`` (a local, never checkpointed bool variable) is set.
+
+    Returns a boolean tensor to make the exchange wait for. The check is one all-gather of a
+    ``[1, len(FIELDS)]`` int64 tensor under a fixed name, the same on every rank whatever its
+    configuration, so it cannot deadlock; every rank sees all fingerprints and fails alike.
+    """
+    local = tf.constant([_hash(description) for _, description in fields], tf.int64)
+    size, rank = hvd.size(), hvd.rank()
+
+    def check() -> tf.Tensor:
+        gathered = hvd.allgather(local[None], name="tf_sparsify_plan_check", ignore_name_scope=True)
+        gathered = tf.ensure_shape(gathered, [size, len(fields)])
+        passed = tf.constant(True)
+        for i, (field, description) in enumerate(fields):
+            with tf.control_dependencies([passed]):
+                assertion = tf.debugging.assert_equal(
+                    gathered[:, i],
+                    tf.fill([size], local[i]),
+                    message=(
+                        "tf_sparsify.horovod: the ranks are configured differently, they "
+                        f"differ in their {field}: rank {rank} of {size} has "
+                        f"{_short(description)}. "
+                        "Every rank must build the same model and the same optimizer/exchange "
+                        "(compressor, k or ratio, error feedback, scope, sizes, dtypes). "
+                        "Fingerprints of all ranks (x) and of this rank (y):"
+                    ),
+                )
+            with tf.control_dependencies([assertion]):
+                passed = tf.identity(passed)
+        with tf.control_dependencies([passed]):
+            return tf.identity(done.assign(True, read_value=True))
+
+    return tf.cond(done, lambda: tf.constant(True), check)
+
+
+def _hash(description: str) -> int:
+    digest = hashlib.sha256(description.encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,143 @@
+"""``HorovodCollective``: payloads travel through Horovod's grouped all-reduce and all-gather.
+
+What Horovod 0.28.1 takes, and what this collective does about the rest:
+
+- every Horovod op rejects ``bfloat16``: bfloat16 tensors are gathered as their ``int16`` bit
+  pattern; a bfloat16 all-reduce (the ``BF16`` compressor's payload) becomes that gather plus a
+  local sum in float32, rounded back to bfloat16. Each rank then hands Horovod exactly the
+  payload's bytes (a cast to float32 for Horovod's all-reduce would double them), at the cost
+  of receiving all ``P`` payloads instead of one ring reduction.
+- the all-reduce takes ``uint8, int8, int32, int64, float16, float32, float64`` only; other
+  summable dtypes (int16, uint16, bool) also go by gather and a local sum.
+- a grouped op needs one dtype: each call makes one grouped op per dtype, and Horovod fuses
+  the group into one transfer.
+- integer ``Average`` truncates, so only ``Sum`` is used; the pipeline divides by ``divisor``.
+- XLA (``jit_compile=True``) cannot compile Horovod's ops (their XLA kernels are not built
+  against TF 2.21): a collective made in an XLA context raises a ValueError that says to
+  compile with ``jit_compile=False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+from tf_sparsify.collectives import Collective
+from tf_sparsify.horovod._hvd import hvd
+
+_REDUCIBLE = (tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64)
+_GATHERABLE = (*_REDUCIBLE, tf.uint16, tf.int16, tf.bool)
+
+
+class HorovodCollective(Collective):
+    """One rank's view of a Horovod job: ``num_replicas == divisor == hvd.size()``.
+
+    Horovod users write per-rank mean losses, so the pipeline divides the sum of the ranks'
+    decompressed payloads by the size.
+
+    Args:
+        after: a tensor every transfer waits for (the first-step configuration check), so no
+            payload is handed to Horovod before it has passed.
+        counter: an int64 variable that each transfer increases by the bytes this rank hands
+            to Horovod (static shapes times itemsizes, after any bit-pattern views), so tests
+            and users can compare it with the pipeline's ``wire_bytes``.
+    """
+
+    def __init__(self, after: tf.Tensor | None = None, counter: tf.Variable | None = None):
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            raise ValueError(
+                "Horovod's collectives do not run under XLA: compile the Keras model with "
+                "`jit_compile=False` (its default 'auto' turns XLA on where a GPU is visible) "
+                "and do not use tf.function(jit_compile=True) around the exchange."
+            )
+        self.num_replicas = hvd.size()
+        self.divisor = float(self.num_replicas)
+        self._rank = hvd.rank()
+        self._after = after
+        self._counter = counter
+
+    def replica_id(self) -> tf.Tensor:
+        return tf.constant(self._rank, tf.int32)
+
+    def all_reduce_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        tensors = self._gated(tensors)
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        native = [i for i, t in enumerate(tensors) if t.dtype in _REDUCIBLE]
+        for idx, reduced in _by_dtype(tensors, native, self._reduce):
+            for i, t in zip(idx, reduced, strict=True):
+                out[i] = t
+        other = [i for i in range(len(tensors)) if i not in native]
+        for idx, gathered in _by_dtype(tensors, other, self._gather):
+            for i, g in zip(idx, gathered, strict=True):
+                out[i] = _local_sum(g)
+        return out
+
+    def all_gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        tensors = self._gated(tensors)
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        for idx, gathered in _by_dtype(tensors, range(len(tensors)), self._gather):
+            for i, g in zip(idx, gathered, strict=True):
+                out[i] = g
+        return out
+
+    # -- transfers (one dtype per call) ------------------------------------------------------
+    def _reduce(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        self._count(tensors)
+        return list(hvd.grouped_allreduce(tensors, op=hvd.Sum))
+
+    def _gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each tensor stacked over ranks: ``[P, *shape]`` (bfloat16 as its int16 bits)."""
+        rows = [_wire(t)[None] for t in tensors]
+        self._count(rows)
+        gathered = hvd.grouped_allgather(rows)
+        return [
+            _unwire(tf.ensure_shape(g, [self.num_replicas, *t.shape]), t.dtype)
+            for g, t in zip(gathered, tensors, strict=True)
+        ]
+
+    def _count(self, tensors: list[tf.Tensor]) -> None:
+        if self._counter is not None:
+            sent = sum(t.shape.num_elements() * t.dtype.size for t in tensors)
+            self._counter.assign_add(sent)
+
+    def _gated(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        if self._after is None or not tensors:
+            return list(tensors)
+        with tf.control_dependencies([self._after]):
+            return [tf.identity(t) for t in tensors]
+
+
+def _by_dtype(
+    tensors: list[tf.Tensor], indices, transfer: Callable[[list[tf.Tensor]], list[tf.Tensor]]
+):
+    """``(indices, results)`` of one ``transfer`` call per wire dtype, in first-seen order."""
+    groups: dict[tf.DType, list[int]] = {}
+    for i in indices:
+        groups.setdefault(_wire_dtype(tensors[i].dtype), []).append(i)
+    for idx in groups.values():
+        yield idx, transfer([tensors[i] for i in idx])
+
+
+def _wire_dtype(dtype: tf.DType) -> tf.DType:
+    return tf.int16 if dtype == tf.bfloat16 else dtype
+
+
+def _wire(t: tf.Tensor) -> tf.Tensor:
+    if t.dtype == tf.bfloat16:
+        return tf.bitcast(t, tf.int16)
+    if t.dtype not in _GATHERABLE:
+        raise ValueError(f"Horovod cannot gather tensors of dtype {t.dtype.name}")
+    return t
+
+
+def _unwire(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    return tf.bitcast(t, dtype) if dtype == tf.bfloat16 else t
+
+
+def _local_sum(gathered: tf.Tensor) -> tf.Tensor:
+    """Sum over the rank axis; bfloat16 is accumulated in float32."""
+    if gathered.dtype == tf.bfloat16:
+        return tf.cast(tf.reduce_sum(tf.cast(gathered, tf.float32), axis=0), tf.bfloat16)
+    return tf.reduce_sum(gathered, axis=0)
