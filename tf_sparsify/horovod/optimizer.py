@@ -1,0 +1,70 @@
+"""``DistributedOptimizer``: the Keras wrapper with Horovod as its transport."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.utils import tracking
+
+from tf_sparsify.compressors.base import Compressor
+from tf_sparsify.compressors.dense import Identity
+from tf_sparsify.horovod.check import check_once, plan_fields
+from tf_sparsify.horovod.collective import HorovodCollective
+from tf_sparsify.keras.optimizer import SparsifiedOptimizer
+
+
+@keras.saving.register_keras_serializable(package="tf_sparsify")
+class DistributedOptimizer(SparsifiedOptimizer):
+    """A :class:`~tf_sparsify.keras.SparsifiedOptimizer` whose payloads travel by Horovod.
+
+    For ``model.compile`` / ``model.fit`` under ``horovodrun``: sparse payloads by
+    ``hvd.grouped_allgather``, summable ones by ``hvd.grouped_allreduce`` (``Sum``), one group
+    per dtype, and the sum of the decompressed payloads is divided by ``hvd.size()`` (each
+    rank's loss is its own mean). Everything else (options, residuals, ``bytes_sent``,
+    serialization) is the wrapper's; ``compressor=None`` means ``Identity()``, plain Horovod
+    averaging.
+
+    Before the first exchange of a process (and again after :meth:`set_compressor`) the ranks
+    compare fingerprints of their plans; ranks configured differently get an
+    ``InvalidArgumentError`` naming what differs (see :mod:`tf_sparsify.horovod.check`).
+
+    Compile with ``jit_compile=False`` (Horovod's ops do not run under XLA). With mixed
+    precision, put the ``LossScaleOptimizer`` inside (``DistributedOptimizer(
+    LossScaleOptimizer(SGD()), ...)``) and compile with ``auto_scale_loss=False``: an outer
+    one decides on each rank's own gradients whether to step, and ranks that decide
+    differently would wait on each other's collectives forever.
+    """
+
+    def __init__(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        compressor: Compressor | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(optimizer, Identity() if compressor is None else compressor, **kwargs)
+        self._plan_checked = None
+        self._horovod_bytes = None
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        super().build(var_list)
+        # Local state, deliberately outside the optimizer's variables and checkpoints.
+        with tf.init_scope():
+            self._plan_checked = tf.Variable(False, trainable=False, name="plan_checked")
+            self._horovod_bytes = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    @property
+    def bytes_to_horovod(self) -> tf.Variable:
+        """Payload bytes this process has handed to Horovod's collectives (not checkpointed)."""
+        return self._horovod_bytes
+
+    def collective(self) -> HorovodCollective:
+        gate = check_once(self._plan_checked, plan_fields(self.pipeline, self._units))
+        return HorovodCollective(after=gate, counter=self._horovod_bytes)
+
+    def set_compressor(self, compressor: Compressor) -> None:
+        super().set_compressor(compressor)
+        if self._plan_checked is not None:
+            self._plan_checked.assign(False)
