@@ -1,0 +1,331 @@
+"""Exact checks under ``horovodrun -np 2``: updates against a hand computation, bytes, Identity
+against plain Horovod averaging, the Horovod ``compression=`` classes and the callbacks.
+
+Every rank knows every rank's gradients (they are seeded by rank and step), so each rank
+computes the expected averaged update itself with the compressors called directly.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+from common import Checks, assert_close, hvd
+
+import tf_sparsify as tfs
+import tf_sparsify.horovod as th
+
+SIZE, RANK = hvd.size(), hvd.rank()
+SHAPES = [(6, 5), (5,), (5, 3), (3,)]
+STEPS = 2
+
+# name -> (compressor, pipeline options)
+CONFIGS = {
+    "topk_ef_min_size": (lambda: tfs.TopK(k=3), {"min_size": 4}),
+    "topk_global": (lambda: tfs.TopK(ratio=0.2), {"scope": "global"}),
+    "randomk": (lambda: tfs.RandomK(0.5, seed=3), {}),
+    "qsgd_int8": (lambda: tfs.QSGD(levels=4, seed=1), {}),
+    "qsgd_int16": (lambda: tfs.QSGD(levels=200, bucket_size=8), {}),
+    "terngrad_uint8": (lambda: tfs.TernGrad(seed=2), {}),
+    "sign_ef": (lambda: tfs.ScaledSign(), {}),
+    "bf16_ef": (lambda: tfs.BF16(), {}),
+    "fp16": (lambda: tfs.FP16(), {"error_feedback": False}),
+    "identity": (lambda: tfs.Identity(), {}),
+}
+
+
+def grads_of(rank: int, step: int) -> list[tf.Tensor]:
+    rng = np.random.default_rng(100 * rank + step)
+    return [tf.constant(rng.normal(size=s).astype("float32")) for s in SHAPES]
+
+
+def reference(compressor, options: dict) -> tuple[list[list[np.ndarray]], list[np.ndarray]]:
+    """Per step, the mean over ranks of decompress(compress(g_p + e_p)); this rank's residuals.
+
+    Written out from the definitions: scope, min_size and error feedback by hand, the
+    compressors called directly with the keys (seed, step, tensor, rank).
+    """
+    ef = options.get("error_feedback", not compressor.unbiased)
+    min_size = options.get("min_size", 0)
+    global_scope = options.get("scope") == "global"
+    residuals = {p: None for p in range(SIZE)}
+    updates = []
+    for step in range(STEPS):
+        per_rank = []
+        for p in range(SIZE):
+            grads = grads_of(p, step)
+            if global_scope:
+                tensors = [tf.concat([tf.reshape(g, [-1]) for g in grads], 0)]
+                plan = [(0, compressor, ef)]
+            else:
+                tensors = grads
+                plan = [
+                    (i, compressor, ef) if g.shape.num_elements() >= min_size else (i, None, False)
+                    for i, g in enumerate(grads)
+                ]
+            if residuals[p] is None:
+                residuals[p] = [tf.zeros_like(t) for t in tensors]
+            sent = []
+            for (tensor_id, codec, use_ef), t in zip(plan, tensors, strict=True):
+                if codec is None:
+                    sent.append((None, (t,), None))
+                    continue
+                acc = t + residuals[p][tensor_id] if use_ef else t
+                payload, ctx = codec.compress(acc, step, tensor_id, p)
+                if use_ef:
+                    residuals[p][tensor_id] = acc - codec.decompress(payload, ctx)
+                sent.append((codec, payload, ctx))
+            per_rank.append(sent)
+        step_updates = []
+        for j in range(len(per_rank[0])):
+            codec, _, ctx = per_rank[0][j]
+            payloads = [per_rank[p][j][1] for p in range(SIZE)]
+            if codec is None:
+                total = tf.add_n([pl[0] for pl in payloads])
+            elif codec.summable:  # summed on the wire (bfloat16 via float32), then decompressed
+                summed = tuple(
+                    tf.cast(tf.add_n([tf.cast(pl[k], tf.float32) for pl in payloads]), t.dtype)
+                    for k, t in enumerate(payloads[0])
+                )
+                total = codec.decompress(summed, ctx)
+            else:
+                total = tf.add_n([codec.decompress(pl, ctx) for pl in payloads])
+            step_updates.append(total / SIZE)
+        if global_scope:
+            step_updates = tf.split(step_updates[0], [int(np.prod(s)) for s in SHAPES])
+        updates.append(
+            [np.reshape(u.numpy(), s) for u, s in zip(step_updates, SHAPES, strict=True)]
+        )
+    mine = residuals[RANK]
+    if global_scope:
+        mine = tf.split(mine[0], [int(np.prod(s)) for s in SHAPES])
+    return updates, [np.reshape(np.asarray(r), s) for r, s in zip(mine, SHAPES, strict=True)]
+
+
+def check_config(name: str) -> dict:
+    make, options = CONFIGS[name]
+    expected, expected_residuals = reference(make(), options)
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+
+    # Keras wrapper, in a tf.function like model.fit's train step.
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
+    opt = th.DistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0), make(), **options)
+
+    @tf.function
+    def apply(grads):
+        opt.apply(grads, variables)
+
+    # Custom-loop exchange, eagerly.
+    exchange = th.GradientExchange(make(), **options)
+    for step in range(STEPS):
+        before = [v.numpy() for v in variables]
+        apply(grads_of(RANK, step))
+        got = [b - v.numpy() for b, v in zip(before, variables, strict=True)]
+        tape_got = exchange.average(grads_of(RANK, step), variables)
+        for i in range(len(SHAPES)):
+            assert_close(got[i], expected[step][i], f"optimizer update {i} step {step}", **tol)
+            assert_close(tape_got[i], expected[step][i], f"tape update {i} step {step}", **tol)
+    for i, r in enumerate(opt.residuals):
+        want = expected_residuals[i] if r is not None else None
+        if r is not None:
+            assert_close(r.numpy(), want, f"optimizer residual {i}", **tol)
+            assert_close(exchange.residuals[i].numpy(), want, f"exchange residual {i}", **tol)
+    horovod_bytes = int(opt.bytes_to_horovod.numpy())
+    wire = int(opt.bytes_sent.numpy())
+    if not horovod_bytes == wire == STEPS * opt.wire_bytes_per_step:
+        raise AssertionError(
+            f"bytes to Horovod {horovod_bytes}, bytes_sent {wire}, "
+            f"wire_bytes_per_step x steps {STEPS * opt.wire_bytes_per_step}"
+        )
+    tape_bytes = int(exchange.bytes_to_horovod.numpy())
+    if not tape_bytes == int(exchange.bytes_sent.numpy()) == STEPS * exchange.wire_bytes_per_step:
+        raise AssertionError(f"exchange bytes to Horovod {tape_bytes} != its wire bytes")
+    return {
+        "bytes_to_horovod": horovod_bytes,
+        "bytes_sent": wire,
+        "wire_bytes_per_step": opt.wire_bytes_per_step,
+        "dense_bytes_per_step": opt.dense_bytes_per_step,
+    }
+
+
+# -- Identity against plain Horovod averaging ----------------------------------------------------
+def make_model(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
+    )
+
+
+def shard(seed: int = 7, n: int = 48):
+    rng = np.random.default_rng(seed + RANK)
+    return rng.normal(size=(n, 8)).astype("float32"), rng.integers(0, 3, n)
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def check_identity_equals_horovod() -> dict:
+    x, y = shard()
+    model = make_model()
+    model.compile(
+        optimizer=th.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+        loss=LOSS,
+        jit_compile=False,
+    )
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    ref = make_model()
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = LOSS(yb, ref(xb, training=True))
+        grads = tape.gradient(loss, ref.trainable_variables)
+        grads = [hvd.allreduce(g, op=hvd.Average) for g in grads]
+        sgd.apply(grads, ref.trainable_variables)
+
+    for _ in range(2):
+        for b in range(0, len(x), 16):
+            step(x[b : b + 16], y[b : b + 16])
+    diff = 0.0
+    for a, b in zip(model.trainable_variables, ref.trainable_variables, strict=True):
+        diff = max(diff, assert_close(a.numpy(), b.numpy(), "weights", rtol=1e-5, atol=1e-6))
+    return {"max_abs_diff": diff}
+
+
+# -- Horovod's own compression= -------------------------------------------------------------------
+def rank_tensor(rank: int, dtype=tf.float32) -> tf.Tensor:
+    rng = np.random.default_rng(50 + rank)
+    return tf.cast(tf.constant(rng.normal(size=(4, 6)).astype("float32")), dtype)
+
+
+def mean_over_ranks(fn) -> np.ndarray:
+    return np.mean([np.asarray(fn(rank_tensor(p)), np.float64) for p in range(SIZE)], axis=0)
+
+
+def check_compression_classes() -> dict:
+    t = rank_tensor(RANK)
+    # FP16: halves the bytes, averages the rounded values (summed in float16 by Horovod).
+    fp16 = th.FP16Compression()
+    wire, _ = fp16.compress(t)
+    got = hvd.allreduce(t, op=hvd.Average, compression=fp16)
+    assert wire.dtype == tf.float16 and got.dtype == tf.float32
+    assert_close(got, mean_over_ranks(lambda v: tf.cast(v, tf.float16)), "fp16", 1e-3, 1e-3)
+
+    # BF16: rounds to bfloat16, moves float32; exact mean of the rounded values.
+    bf16 = th.BF16Compression()
+    wire, _ = bf16.compress(t)
+    assert wire.dtype == tf.float32, wire.dtype
+    got = hvd.allreduce(t, op=hvd.Average, compression=bf16)
+    rounded = mean_over_ranks(lambda v: tf.cast(tf.cast(v, tf.bfloat16), tf.float32))
+    assert_close(got, rounded, "bf16", 1e-7, 1e-7)
+    # bfloat16 tensors: rejected by Horovod as they are, carried by BF16Compression.
+    t16 = rank_tensor(RANK, tf.bfloat16)
+    try:
+        hvd.allreduce(t16, op=hvd.Average)
+        raise AssertionError("Horovod accepted a bfloat16 all-reduce")
+    except tf.errors.InvalidArgumentError:
+        pass
+    got16 = hvd.allreduce(t16, op=hvd.Average, compression=bf16)
+    assert got16.dtype == tf.bfloat16, got16.dtype
+    want16 = np.mean(
+        [rank_tensor(p, tf.bfloat16).numpy().astype(np.float64) for p in range(SIZE)], 0
+    )
+    assert_close(tf.cast(got16, tf.float32), want16, "bf16 input", 1e-2, 1e-2)
+
+    # RandomK: k shared indices, only k values travel; a new draw per call.
+    randomk = th.RandomKCompression(ratio=0.25, seed=5)
+    results = []
+    codec = tfs.RandomK(0.25, seed=5)
+    for _ in range(2):
+        key = int(randomk.calls.numpy()) + 1
+        got = hvd.allreduce(t, op=hvd.Average, compression=randomk)
+        want = mean_over_ranks(lambda v, key=key: codec.decompress(*codec.compress(v, key, 0, 0)))
+        assert_close(got, want, f"randomk call {key}")
+        results.append(np.asarray(got) != 0)
+    if np.array_equal(results[0], results[1]):
+        raise AssertionError("RandomKCompression drew the same indices twice")
+    payload, _ = randomk.compress(t)
+    assert payload.shape == [6], payload.shape  # k = 25% of 24 entries
+
+    # TopK: dense after sparsification (no bytes saved), mean of the ranks' top-k tensors.
+    topk = th.TopKCompression(k=5)
+    dense, _ = topk.compress(t)
+    assert dense.shape == t.shape and int(tf.math.count_nonzero(dense)) == 5
+    got = hvd.allreduce(t, op=hvd.Average, compression=topk)
+    codec = tfs.TopK(k=5)
+    assert_close(got, mean_over_ranks(lambda v: codec.decompress(*codec.compress(v))), "topk")
+
+    # Horovod's own tape takes them.
+    w = tf.Variable(tf.ones([4, 6]))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * t)
+    tape = hvd.DistributedGradientTape(tape, compression=th.FP16Compression())
+    (g,) = tape.gradient(loss, [w])
+    assert_close(g, mean_over_ranks(lambda v: v), "hvd.DistributedGradientTape fp16", 1e-3, 1e-3)
+    return {}
+
+
+# -- callbacks -------------------------------------------------------------------------------------
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.logs.append(dict(logs))
+
+
+def check_callbacks() -> dict:
+    x, y = shard(seed=11)
+    model = make_model(seed=RANK)  # different initial weights on each rank
+    root = hvd.allgather_object([v.numpy() for v in model.variables])[0]
+    opt = th.DistributedOptimizer(keras.optimizers.SGD(0.0, momentum=0.9), tfs.TopK(k=4))
+    model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
+    raw, averaged = Recorder(), Recorder()
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            raw,
+            th.MetricAverageCallback(),
+            averaged,
+            th.BroadcastGlobalVariablesCallback(),
+        ],
+    )
+    # lr = 0: the weights are rank 0's initial weights on every rank.
+    for v, want in zip(model.variables, root, strict=True):
+        assert_close(v.numpy(), want, f"broadcast {v.path}", 0, 0)
+    # Residuals are per rank (not broadcast): the shards differ, so they do.
+    mine = opt.residuals[0].numpy()
+    other = hvd.allgather_object(mine)[1 - RANK]
+    if np.allclose(mine, other):
+        raise AssertionError("residuals are equal on both ranks")
+    losses = hvd.allgather_object(raw.logs[0]["loss"])
+    if abs(losses[0] - losses[1]) < 1e-6:
+        raise AssertionError(f"the ranks' raw losses should differ: {losses}")
+    assert_close(averaged.logs[0]["loss"], np.mean(losses), "averaged loss", 1e-9, 1e-9)
+
+    # broadcast_variables on Keras variables directly.
+    keras_vars = [keras.Variable(np.full((3,), float(RANK)))]
+    th.broadcast_variables(keras_vars, root_rank=1)
+    assert_close(keras_vars[0].numpy(), np.ones(3), "broadcast_variables root 1", 0, 0)
+    return {"raw_losses": losses, "averaged_loss": averaged.logs[0]["loss"]}
+
+
+def main() -> None:
+    checks = Checks()
+    for name in CONFIGS:
+        checks.run(f"update_{name}", lambda name=name: check_config(name))
+    checks.run("identity_equals_horovod_average", check_identity_equals_horovod)
+    checks.run("compression_classes", check_compression_classes)
+    checks.run("callbacks", check_callbacks)
+    checks.exit()
+
+
+if __name__ == "__main__":
+    main()

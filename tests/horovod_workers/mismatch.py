@@ -1,0 +1,167 @@
+"""Ranks configured differently under ``horovodrun -np 2``: a clear error at the first step.
+
+Each case builds something different on rank 1, expects ``InvalidArgumentError`` naming the
+field on every rank within seconds, and goes on; the last cases train normally, which shows
+Horovod is still in step after the failures. Also: the local ValueErrors of the front ends.
+"""
+
+from __future__ import annotations
+
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+from common import Checks, hvd
+
+import tf_sparsify as tfs
+import tf_sparsify.horovod as th
+
+RANK = hvd.rank()
+X = np.random.default_rng(RANK).normal(size=(32, 8)).astype("float32")
+Y = np.arange(32) % 3
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+MAX_SECONDS = 30
+
+
+def make_model(dtype: str = "float32") -> keras.Model:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, dtype=dtype), keras.layers.Dense(3, dtype=dtype)]
+    )
+
+
+def fit(model, compressor, eager: bool = False, **options) -> keras.Model:
+    model.compile(
+        optimizer=th.DistributedOptimizer(keras.optimizers.SGD(0.1), compressor, **options),
+        loss=LOSS,
+        jit_compile=False,
+        run_eagerly=eager,
+    )
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    return model
+
+
+def exchange_step(exchange, model, in_function: bool) -> None:
+    def step():
+        with tf.GradientTape() as tape:
+            loss = LOSS(Y, model(X))
+        th.DistributedGradientTape(tape, exchange=exchange).gradient(
+            loss, model.trainable_variables
+        )
+
+    (tf.function(step) if in_function else step)()
+
+
+def expect_mismatch(field: str, run) -> dict:
+    start = time.perf_counter()
+    try:
+        run()
+    except tf.errors.InvalidArgumentError as error:
+        seconds = time.perf_counter() - start
+        message = str(error)
+        if f"differ in their {field}" not in message:
+            raise AssertionError(f"error does not name {field!r}: {message[:1500]}") from error
+        if seconds > MAX_SECONDS:
+            raise AssertionError(f"the error took {seconds:.1f} s") from error
+        line = next(s for s in message.splitlines() if "configured differently" in s)
+        return {"message": line.strip()[:600], "error_seconds": round(seconds, 2)}
+    raise AssertionError("no error although the ranks differ")
+
+
+def expect_value_error(words: str, run) -> dict:
+    try:
+        run()
+    except ValueError as error:
+        if words not in str(error):
+            raise AssertionError(f"ValueError without {words!r}: {error}") from error
+        return {"message": str(error)[:300]}
+    raise AssertionError("no ValueError")
+
+
+def main() -> None:
+    checks = Checks()
+    k = 4 + RANK
+    other = tfs.TopK(k=4) if RANK == 0 else tfs.RandomK(0.5)
+    checks.run("k", lambda: expect_mismatch("compressor", lambda: fit(make_model(), tfs.TopK(k=k))))
+    checks.run(
+        "compressor", lambda: expect_mismatch("compressor", lambda: fit(make_model(), other))
+    )
+    checks.run(
+        "dtype",
+        lambda: expect_mismatch(
+            "variable shapes and dtypes",
+            lambda: fit(make_model("float64" if RANK else "float32"), tfs.TopK(k=4)),
+        ),
+    )
+    checks.run(
+        "error_feedback",
+        lambda: expect_mismatch(
+            "pipeline options",
+            lambda: fit(make_model(), tfs.TopK(k=4), error_feedback=bool(RANK)),
+        ),
+    )
+    checks.run(
+        "k_eager",
+        lambda: expect_mismatch("compressor", lambda: fit(make_model(), tfs.TopK(k=k), eager=True)),
+    )
+    checks.run(
+        "exchange_k",
+        lambda: expect_mismatch(
+            "compressor",
+            lambda: exchange_step(th.GradientExchange(tfs.TopK(k=k)), make_model(), True),
+        ),
+    )
+    checks.run(
+        "exchange_min_size",
+        lambda: expect_mismatch(
+            "pipeline options",
+            lambda: exchange_step(
+                th.GradientExchange(tfs.TopK(k=4), min_size=10 * RANK), make_model(), False
+            ),
+        ),
+    )
+
+    def still_in_step() -> dict:
+        model = fit(make_model(), tfs.TopK(k=4))
+        exchange = th.GradientExchange(tfs.TopK(k=4))
+        exchange_step(exchange, model, True)
+        exchange_step(exchange, model, True)
+        weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+        gathered = hvd.allgather_object(weights)
+        if not np.array_equal(gathered[0], gathered[1]):
+            raise AssertionError("the ranks' weights differ after a matching run")
+        return {"exchange_steps": int(exchange.step.numpy())}
+
+    checks.run("matching_ranks_still_train", still_in_step)
+
+    # Local errors, raised before anything travels.
+    checks.run(
+        "tape_needs_exchange_for_state",
+        lambda: expect_value_error(
+            "GradientExchange", lambda: th.DistributedGradientTape(tf.GradientTape(), tfs.TopK(k=4))
+        ),
+    )
+    checks.run(
+        "tape_randomized_needs_exchange",
+        lambda: expect_value_error(
+            "GradientExchange",
+            lambda: th.DistributedGradientTape(tf.GradientTape(), tfs.RandomK(0.5)),
+        ),
+    )
+
+    def xla() -> dict:
+        model = make_model()
+        model.compile(
+            optimizer=th.DistributedOptimizer(keras.optimizers.SGD(0.1), tfs.RandomK(0.5)),
+            loss=LOSS,
+            jit_compile=True,
+        )
+        return expect_value_error("jit_compile=False", lambda: model.fit(X, Y, verbose=0))
+
+    checks.run("xla_rejected", xla)
+    checks.exit()
+
+
+if __name__ == "__main__":
+    main()
