@@ -134,6 +134,10 @@ def test_update_is_mean_of_decompressed_payloads_and_bytes_match(exact, config):
             assert record["wire_bytes_per_step"] < record["dense_bytes_per_step"]
 
 
+def test_exchange_checkpoint_restores_residuals_and_step(exact):
+    _passed(exact, "exchange_checkpoint")
+
+
 def test_identity_equals_plain_horovod_averaging(exact):
     for record in _passed(exact, "identity_equals_horovod_average").values():
         assert record["max_abs_diff"] <= 1e-6
@@ -192,3 +196,25 @@ def test_topk_error_feedback_converges_on_digits(example):
     assert record["accuracy"] > 0.9, record
     assert record["bytes_per_step"] == record["wire_bytes_per_step"]
     assert record["dense_bytes_per_step"] / record["bytes_per_step"] > 40
+
+
+def test_distributed_optimizer_saves_and_loads_as_keras(tmp_path):
+    """Registered for Keras serialization; residuals travel in ``.keras`` files (no Horovod
+    collective runs: building and saving need none)."""
+    _require_horovod()
+    import keras
+    import numpy as np
+
+    import tf_sparsify as tfs
+    from tf_sparsify.horovod import DistributedOptimizer
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=2), min_size=4)
+    model.compile(optimizer=opt, loss="mse")
+    opt.build(model.trainable_variables)
+    opt.residuals[0].assign(np.full((4, 3), 0.5, "float32"))
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert type(loaded.optimizer) is DistributedOptimizer
+    assert loaded.optimizer.get_config() == opt.get_config()
+    np.testing.assert_array_equal(loaded.optimizer.residuals[0].numpy(), 0.5)

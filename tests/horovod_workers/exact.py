@@ -7,6 +7,8 @@ computes the expected averaged update itself with the compressors called directl
 
 from __future__ import annotations
 
+import tempfile
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -148,6 +150,27 @@ def check_config(name: str) -> dict:
     }
 
 
+def check_exchange_checkpoint(tmp: str) -> dict:
+    """tf.train.Checkpoint(exchange) carries residuals and step: restore-then-step equals
+    stepping on."""
+    make, options = CONFIGS["topk_ef_min_size"]
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
+    exchange = th.GradientExchange(make(), **options)
+    exchange.average(grads_of(RANK, 0), variables)
+    path = tf.train.Checkpoint(exchange=exchange).save(f"{tmp}/rank{RANK}/ckpt")
+    restored = th.GradientExchange(make(), **options)
+    tf.train.Checkpoint(exchange=restored).restore(path)
+    on = exchange.average(grads_of(RANK, 1), variables)
+    again = restored.average(grads_of(RANK, 1), variables)
+    assert int(restored.step.numpy()) == 2
+    for i, (a, b) in enumerate(zip(on, again, strict=True)):
+        assert_close(a, b, f"update {i} after restore", 0, 0)
+    for a, b in zip(exchange.residuals, restored.residuals, strict=True):
+        if a is not None:
+            assert_close(a.numpy(), b.numpy(), "residual after restore", 0, 0)
+    return {}
+
+
 # -- Identity against plain Horovod averaging ----------------------------------------------------
 def make_model(seed: int = 0) -> keras.Model:
     keras.utils.set_random_seed(seed)
@@ -264,6 +287,28 @@ def check_compression_classes() -> dict:
     tape = hvd.DistributedGradientTape(tape, compression=th.FP16Compression())
     (g,) = tape.gradient(loss, [w])
     assert_close(g, mean_over_ranks(lambda v: v), "hvd.DistributedGradientTape fp16", 1e-3, 1e-3)
+
+    # ... and in a tf.function, RandomK gives each gradient its own key, in order.
+    shared = th.RandomKCompression(ratio=0.25, seed=9)
+    w2 = tf.Variable(tf.ones([4, 6]))
+
+    @tf.function
+    def grads_in_graph(v):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * v) + tf.reduce_sum(w2 * 2.0 * v)
+        return hvd.DistributedGradientTape(tape, compression=shared).gradient(loss, [w, w2])
+
+    first = int(shared.calls.numpy()) + 1
+    got = grads_in_graph(t)
+    codec9 = tfs.RandomK(0.25, seed=9)
+    for i, (grad, factor) in enumerate(zip(got, (1.0, 2.0), strict=True)):
+        want = mean_over_ranks(
+            lambda v, i=i, factor=factor: codec9.decompress(
+                *codec9.compress(factor * v, first + i, 0, 0)
+            )
+        )
+        assert_close(grad, want, f"hvd.DistributedGradientTape randomk grad {i}")
+    assert int(shared.calls.numpy()) == first + 1
     return {}
 
 
@@ -321,6 +366,8 @@ def main() -> None:
     checks = Checks()
     for name in CONFIGS:
         checks.run(f"update_{name}", lambda name=name: check_config(name))
+    with tempfile.TemporaryDirectory() as tmp:
+        checks.run("exchange_checkpoint", lambda: check_exchange_checkpoint(tmp))
     checks.run("identity_equals_horovod_average", check_identity_equals_horovod)
     checks.run("compression_classes", check_compression_classes)
     checks.run("callbacks", check_callbacks)
