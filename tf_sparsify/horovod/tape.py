@@ -38,8 +38,8 @@ class GradientExchange(tf.Module):
     variable per compressed variable with error feedback (created on the first call), the step
     counter that keys random choices, and the byte counters ``bytes_sent`` (the pipeline's wire
     bytes, summed over steps) and ``bytes_to_horovod`` (what the collectives handed to Horovod;
-    not checkpointed). An exchange serves one list of variables; the first call, and the first
-    call of every process, runs the ranks' configuration check.
+    not checkpointed). An exchange serves one list of variables; its first call in each process
+    runs the ranks' configuration check (also after a restore from a checkpoint).
 
     Args: as :class:`~tf_sparsify.pipeline.GradientPipeline` (``compressor=None`` is
     ``Identity()``).
