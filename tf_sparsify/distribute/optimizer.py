@@ -8,7 +8,6 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras import initializers
 from keras.src import backend
 from keras.src.utils import tracking
 
@@ -101,18 +100,13 @@ class ServerOptimizer(SparsifiedOptimizer):
         return super()._add_residual(variable, suffix)
 
     def _add_table(self, variable) -> backend.Variable:
-        with backend.name_scope(self.name, caller=self):
-            table = backend.Variable(
-                initializer=initializers.Zeros(),
-                shape=(*self.server.table_dims(self.num_workers), *variable.shape),
-                dtype=variable.dtype,
-                trainable=False,
-                aggregation="only_first_replica",
-                synchronization="on_read",
-                name=f"{variable.name}_table",
-            )
-        self._track_variable(table)
-        return table
+        """The server table; every replica writes the identical value it computed."""
+        return self.add_replica_variable(
+            (*self.server.table_dims(self.num_workers), *variable.shape),
+            variable.dtype,
+            f"{variable.name}_table",
+            "only_first_replica",
+        )
 
     @property
     def tables(self) -> list:

@@ -143,20 +143,27 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         _disable_dense_all_reduce(self.inner_optimizer)
         super().build(var_list)
 
-    def _add_residual(self, variable, suffix: str = "residual") -> backend.Variable:
-        """A zero residual per replica (sync-on-read: each replica writes only its own copy)."""
+    def add_replica_variable(self, shape, dtype, name: str, aggregation: str) -> backend.Variable:
+        """A zero optimizer variable of which each replica writes only its own copy
+        (sync-on-read; ``aggregation`` says how a cross-replica read combines the copies)."""
         with backend.name_scope(self.name, caller=self):
-            residual = backend.Variable(
+            variable = backend.Variable(
                 initializer=initializers.Zeros(),
-                shape=variable.shape,
-                dtype=variable.dtype,
+                shape=shape,
+                dtype=dtype,
                 trainable=False,
-                aggregation="sum",
+                aggregation=aggregation,
                 synchronization="on_read",
-                name=f"{variable.name}_{suffix}",
+                name=name,
             )
-        self._track_variable(residual)
-        return residual
+        self._track_variable(variable)
+        return variable
+
+    def _add_residual(self, variable, suffix: str = "residual") -> backend.Variable:
+        """A zero residual per replica, summed when read across replicas."""
+        return self.add_replica_variable(
+            variable.shape, variable.dtype, f"{variable.name}_{suffix}", "sum"
+        )
 
     @tracking.no_automatic_dependency_tracking
     def _build_diagnostics(self) -> None:
@@ -164,17 +171,9 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         the number of steps done when they were recorded (0: never)."""
         if self._diagnostics is not None:
             return
-        with backend.name_scope(self.name, caller=self):
-            self._diagnostics = backend.Variable(
-                initializer=initializers.Zeros(),
-                shape=(len(self._units), len(STAT_NAMES)),
-                dtype="float64",
-                trainable=False,
-                aggregation="mean",
-                synchronization="on_read",
-                name="diagnostics",
-            )
-        self._track_variable(self._diagnostics)
+        self._diagnostics = self.add_replica_variable(
+            (len(self._units), len(STAT_NAMES)), "float64", "diagnostics", "mean"
+        )
         self.diagnostics_step = self.add_variable(
             (), dtype="int64", aggregation="only_first_replica", name="diagnostics_step"
         )
