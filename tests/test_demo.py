@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 from tests.conftest import ROOT
 
 
@@ -32,6 +34,39 @@ def test_digits_demo_prints_table_and_writes_png(tmp_path):
     assert 0.5 < float(topk[-4]) <= 1.0  # test accuracy after 2 epochs
     assert float(rows["QSGD s=4"][-2].rstrip("x")) > 3.9
     assert png.stat().st_size > 10_000
+
+
+def test_demo_reads_a_local_mnist_npz(tmp_path):
+    rng = np.random.default_rng(0)
+    data = tmp_path / "mnist.npz"
+    np.savez(
+        data,
+        x_train=rng.integers(0, 256, (128, 28, 28), dtype=np.uint8),
+        y_train=rng.integers(0, 10, 128),
+        x_test=rng.integers(0, 256, (32, 28, 28), dtype=np.uint8),
+        y_test=rng.integers(0, 10, 32),
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "digits_demo.py"),
+            f"--data={data}",
+            "--epochs=1",
+            "--replicas=1",
+            "--compressors=topk1",
+            "--verbose=0",
+            f"--out={tmp_path / 'm.png'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 replicas, 1 epochs" in proc.stdout
+    # 784-256-128-10 MLP: TopK 1% of each tensor, 8 bytes per kept entry
+    dense = 4 * (784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10)
+    assert f"{dense:,}" not in proc.stdout and "TopK 1% + EF" in proc.stdout
 
 
 def test_demo_rejects_unknown_compressor():

@@ -359,3 +359,18 @@ def test_compression_stats_in_history():
     assert h.history["dense_bytes_per_step"] == [dense, dense]
     assert h.history["compression_ratio"][-1] == pytest.approx(dense / wire)
     assert h.history["cumulative_bytes"] == [4 * wire, 8 * wire]
+
+
+def test_compression_stats_write_tensorboard_summaries(tmp_path):
+    model = make_model()
+    model.compile(tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=4)), "mse")
+    stats = tfs.CompressionStats(log_dir=str(tmp_path))
+    model.fit(X, np.zeros((64, 3)), epochs=1, batch_size=16, verbose=0, callbacks=[stats])
+    events = [os.path.join(tmp_path, f) for f in os.listdir(tmp_path)]
+    tags = {
+        v.tag
+        for path in events
+        for event in tf.compat.v1.train.summary_iterator(path)
+        for v in event.summary.value
+    }
+    assert "compression/compression_ratio" in tags and "compression/bytes_per_step" in tags

@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from tf_sparsify.keras.optimizer import find_sparsified
+from tf_sparsify.keras.summaries import write_scalar
 
 
 class CompressionStats(keras.callbacks.Callback):
@@ -52,5 +53,5 @@ class CompressionStats(keras.callbacks.Callback):
         if self._writer is not None:
             with self._writer.as_default(step=epoch):
                 for key, value in stats.items():
-                    tf.summary.scalar(f"compression/{key}", value)
+                    write_scalar(f"compression/{key}", value, epoch)
             self._writer.flush()

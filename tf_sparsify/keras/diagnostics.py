@@ -32,10 +32,10 @@ from collections.abc import Iterable, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
 
 from tf_sparsify.heuristics.measure import summarize
 from tf_sparsify.keras.optimizer import find_sparsified
+from tf_sparsify.keras.summaries import write_scalar
 
 
 class CompressionDiagnostics(keras.callbacks.Callback):
@@ -137,15 +137,6 @@ class CompressionDiagnostics(keras.callbacks.Callback):
         for r in self.records:
             keys += [k for k in r if k not in keys]
         return {k: [float(r.get(k, math.nan)) for r in self.records] for k in keys}
-
-
-def write_scalar(tag: str, value: float, step: int) -> None:
-    """A TensorBoard scalar summary in the default writer, without the ``tensorboard`` package
-    (``tf.summary.scalar`` needs it; the event format only needs the scalars plugin name)."""
-    metadata = summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
-    )
-    tf.summary.write(tag, tf.constant(value, tf.float32), step=step, metadata=metadata)
 
 
 def plot_diagnostics(
