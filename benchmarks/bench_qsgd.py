@@ -14,27 +14,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import best_ms  # noqa: E402
+
 from tf_sparsify import ops  # noqa: E402
 from tf_sparsify.ops import numpy_reference, reference  # noqa: E402
-
-
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Best wall time of ``repeats`` calls after one warm-up, in milliseconds."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
 
 
 def run(n: int, levels: int, bucket: int, repeats: int) -> None:

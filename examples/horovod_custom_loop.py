@@ -10,7 +10,6 @@ digits; rank 0 prints the averaged loss per epoch, the test accuracy and the byt
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -20,7 +19,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from horovod_keras_digits import COMPRESSORS, load_shard, make_model  # noqa: E402
+from horovod_keras_digits import COMPRESSORS, load_shard, make_model, report  # noqa: E402
 
 import tf_sparsify.horovod as th  # noqa: E402
 
@@ -69,23 +68,15 @@ def main(argv: list[str] | None = None) -> dict:
     logits = model.predict(x_te, verbose=0)
     accuracy = float(np.mean(np.argmax(logits, axis=1) == y_te))
     steps = int(exchange.step.numpy())
-    result = {
-        "compressor": args.compressor,
-        "accuracy": accuracy,
-        "steps": steps,
-        "bytes_per_step": int(exchange.bytes_to_horovod.numpy()) // max(steps, 1),
-        "wire_bytes_per_step": exchange.wire_bytes_per_step,
-        "dense_bytes_per_step": 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables),
-        "wall_s": round(wall, 1),
-    }
-    ratio = result["dense_bytes_per_step"] / max(result["bytes_per_step"], 1)
-    th.log0(
-        f"rank-0 test accuracy {accuracy:.4f} | bytes/step per rank to Horovod "
-        f"{result['bytes_per_step']:,} (dense {result['dense_bytes_per_step']:,}, "
-        f"{ratio:.1f}x less) | {steps} steps in {wall:.1f} s"
+    return report(
+        args.compressor,
+        accuracy,
+        steps,
+        int(exchange.bytes_to_horovod.numpy()),
+        exchange.wire_bytes_per_step,
+        4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables),
+        wall,
     )
-    th.log0("RESULT " + json.dumps(result))
-    return result
 
 
 if __name__ == "__main__":

@@ -101,19 +101,32 @@ def main(argv: list[str] | None = None) -> dict:
     wall = time.perf_counter() - start
     _, accuracy = model.evaluate(x_te, y_te, verbose=0)
     steps = int(optimizer.iterations.numpy())
+    return report(
+        args.compressor,
+        float(accuracy),
+        steps,
+        int(optimizer.bytes_to_horovod.numpy()),
+        optimizer.wire_bytes_per_step,
+        optimizer.dense_bytes_per_step,
+        wall,
+    )
+
+
+def report(compressor, accuracy, steps, bytes_total, wire_per_step, dense_per_step, wall) -> dict:
+    """Print rank 0's accuracy and bytes per step (and a JSON line for tests); return them."""
     result = {
-        "compressor": args.compressor,
-        "accuracy": float(accuracy),
+        "compressor": compressor,
+        "accuracy": accuracy,
         "steps": steps,
-        "bytes_per_step": int(optimizer.bytes_to_horovod.numpy()) // max(steps, 1),
-        "wire_bytes_per_step": optimizer.wire_bytes_per_step,
-        "dense_bytes_per_step": optimizer.dense_bytes_per_step,
+        "bytes_per_step": bytes_total // max(steps, 1),
+        "wire_bytes_per_step": wire_per_step,
+        "dense_bytes_per_step": dense_per_step,
         "wall_s": round(wall, 1),
     }
-    ratio = result["dense_bytes_per_step"] / max(result["bytes_per_step"], 1)
+    ratio = dense_per_step / max(result["bytes_per_step"], 1)
     th.log0(
         f"rank-0 test accuracy {accuracy:.4f} | bytes/step per rank to Horovod "
-        f"{result['bytes_per_step']:,} (dense {result['dense_bytes_per_step']:,}, "
+        f"{result['bytes_per_step']:,} (dense {dense_per_step:,}, "
         f"{ratio:.1f}x less) | {steps} steps in {wall:.1f} s"
     )
     th.log0("RESULT " + json.dumps(result))

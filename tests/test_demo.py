@@ -11,22 +11,20 @@ import numpy as np
 from tests.conftest import ROOT
 
 
-def test_digits_demo_prints_table_and_writes_png(tmp_path):
-    png = tmp_path / "demo.png"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "examples", "digits_demo.py"),
-            "--epochs=2",
-            "--compressors=dense,topk1,qsgd4",
-            "--verbose=0",
-            f"--out={png}",
-        ],
+def run_demo(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``examples/digits_demo.py`` with ``args`` in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "digits_demo.py"), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
+
+
+def test_digits_demo_prints_table_and_writes_png(tmp_path):
+    png = tmp_path / "demo.png"
+    proc = run_demo("--epochs=2", "--compressors=dense,topk1,qsgd4", "--verbose=0", f"--out={png}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split("  ")[0]: line.split() for line in proc.stdout.splitlines()}
     topk = rows["TopK 1% + EF"]
@@ -46,21 +44,13 @@ def test_demo_reads_a_local_mnist_npz(tmp_path):
         x_test=rng.integers(0, 256, (32, 28, 28), dtype=np.uint8),
         y_test=rng.integers(0, 10, 32),
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "examples", "digits_demo.py"),
-            f"--data={data}",
-            "--epochs=1",
-            "--replicas=1",
-            "--compressors=topk1",
-            "--verbose=0",
-            f"--out={tmp_path / 'm.png'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    proc = run_demo(
+        f"--data={data}",
+        "--epochs=1",
+        "--replicas=1",
+        "--compressors=topk1",
+        "--verbose=0",
+        f"--out={tmp_path / 'm.png'}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1 replicas, 1 epochs" in proc.stdout
@@ -70,11 +60,5 @@ def test_demo_reads_a_local_mnist_npz(tmp_path):
 
 
 def test_demo_rejects_unknown_compressor():
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "digits_demo.py"), "--compressors=zip"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": ROOT},
-    )
+    proc = run_demo("--compressors=zip", timeout=120)
     assert proc.returncode == 2 and "unknown compressors ['zip']" in proc.stderr
