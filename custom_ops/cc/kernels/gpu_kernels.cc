@@ -49,20 +49,13 @@ class TopKErrorFeedbackGpuOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& grad = ctx->input(0);
     const Tensor& residual = ctx->input(1);
-    int64_t k = 0;
-    OP_REQUIRES_OK(ctx, ValidateTopK(grad, residual, ctx->input(2),
-                                     DataTypeToEnum<Index>::value, &k));
     const int64_t n = grad.NumElements();
     OP_REQUIRES(ctx, n < (int64_t{1} << 31),
                 absl::InvalidArgumentError(absl::StrCat(
                     "TopKErrorFeedback on GPU supports fewer than 2^31 elements, got ", n)));
-    Tensor* values = nullptr;
-    Tensor* indices = nullptr;
-    Tensor* new_residual = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices));
-    OP_REQUIRES_OK(ctx,
-                   ctx->forward_input_or_allocate_output({1}, 2, grad.shape(), &new_residual));
+    TopKOutputs out;
+    OP_REQUIRES_OK(ctx, PrepareTopK(ctx, DataTypeToEnum<Index>::value, &out));
+    const int64_t k = out.k;
     if (n == 0) return;
     size_t bytes = 0;
     Tensor workspace;
@@ -70,22 +63,19 @@ class TopKErrorFeedbackGpuOp : public OpKernel {
                                   bytes, &workspace));
     OP_REQUIRES_OK(
         ctx, CoreStatus(tfs_topk_error_feedback(
-                            kCoreType<T>, grad.data(), residual.data(), new_residual->data(), n,
-                            k, values->data(), indices->data(), sizeof(Index), workspace.data(),
+                            kCoreType<T>, grad.data(), residual.data(), out.new_residual->data(), n,
+                            k, out.values->data(), out.indices->data(), sizeof(Index),
+                            workspace.data(),
                             bytes, StreamOf(ctx)),
                         "TopKErrorFeedback"));
   }
 };
 
 template <typename T, typename Q>
-class QsgdQuantizeGpuOp : public OpKernel {
+class QsgdQuantizeGpuOp : public QsgdOpKernel {
  public:
-  explicit QsgdQuantizeGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("levels", &levels_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("bucket_size", &bucket_size_));
-    OP_REQUIRES_OK(ctx, ValidateQsgdAttrs("QSGDQuantize", levels_, bucket_size_,
-                                          DataTypeToEnum<Q>::value));
-  }
+  explicit QsgdQuantizeGpuOp(OpKernelConstruction* ctx)
+      : QsgdOpKernel(ctx, "QSGDQuantize", DataTypeToEnum<Q>::value) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& input = ctx->input(0);
@@ -109,21 +99,13 @@ class QsgdQuantizeGpuOp : public OpKernel {
                                                      workspace.data(), bytes, StreamOf(ctx)),
                                    "QSGDQuantize"));
   }
-
- private:
-  int64_t levels_ = 0;
-  int64_t bucket_size_ = 0;
 };
 
 template <typename Q, typename T>
-class QsgdDequantizeGpuOp : public OpKernel {
+class QsgdDequantizeGpuOp : public QsgdOpKernel {
  public:
-  explicit QsgdDequantizeGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("levels", &levels_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("bucket_size", &bucket_size_));
-    OP_REQUIRES_OK(ctx, ValidateQsgdAttrs("QSGDDequantize", levels_, bucket_size_,
-                                          DataTypeToEnum<Q>::value));
-  }
+  explicit QsgdDequantizeGpuOp(OpKernelConstruction* ctx)
+      : QsgdOpKernel(ctx, "QSGDDequantize", DataTypeToEnum<Q>::value) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& levels_in = ctx->input(0);
@@ -141,10 +123,6 @@ class QsgdDequantizeGpuOp : public OpKernel {
                                                        out->data(), StreamOf(ctx)),
                                    "QSGDDequantize"));
   }
-
- private:
-  int64_t levels_ = 0;
-  int64_t bucket_size_ = 0;
 };
 
 #define TFS_REGISTER_GPU(T)                                                              \

@@ -93,14 +93,10 @@ __attribute__((target_clones("avx2", "default"))) void QuantizeRun(const T* __re
 }
 
 template <typename T, typename Q>
-class QsgdQuantizeCpuOp : public OpKernel {
+class QsgdQuantizeCpuOp : public QsgdOpKernel {
  public:
-  explicit QsgdQuantizeCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("levels", &levels_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("bucket_size", &bucket_size_));
-    OP_REQUIRES_OK(ctx, ValidateQsgdAttrs("QSGDQuantize", levels_, bucket_size_,
-                                          DataTypeToEnum<Q>::value));
-  }
+  explicit QsgdQuantizeCpuOp(OpKernelConstruction* ctx)
+      : QsgdOpKernel(ctx, "QSGDQuantize", DataTypeToEnum<Q>::value) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& input = ctx->input(0);
@@ -130,21 +126,13 @@ class QsgdQuantizeCpuOp : public OpKernel {
       }
     });
   }
-
- private:
-  int64_t levels_ = 0;
-  int64_t bucket_size_ = 0;
 };
 
 template <typename Q, typename T>
-class QsgdDequantizeCpuOp : public OpKernel {
+class QsgdDequantizeCpuOp : public QsgdOpKernel {
  public:
-  explicit QsgdDequantizeCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("levels", &levels_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("bucket_size", &bucket_size_));
-    OP_REQUIRES_OK(ctx, ValidateQsgdAttrs("QSGDDequantize", levels_, bucket_size_,
-                                          DataTypeToEnum<Q>::value));
-  }
+  explicit QsgdDequantizeCpuOp(OpKernelConstruction* ctx)
+      : QsgdOpKernel(ctx, "QSGDDequantize", DataTypeToEnum<Q>::value) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& levels_in = ctx->input(0);
@@ -170,10 +158,6 @@ class QsgdDequantizeCpuOp : public OpKernel {
       }
     });
   }
-
- private:
-  int64_t levels_ = 0;
-  int64_t bucket_size_ = 0;
 };
 
 #define TFS_REGISTER_QSGD_CPU(T, Q)                                                      \

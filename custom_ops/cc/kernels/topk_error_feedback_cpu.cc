@@ -558,21 +558,14 @@ class TopKErrorFeedbackCpuOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& grad = ctx->input(0);
     const Tensor& residual = ctx->input(1);
-    int64_t k = 0;
-    OP_REQUIRES_OK(ctx, ValidateTopK(grad, residual, ctx->input(2),
-                                     DataTypeToEnum<Index>::value, &k));
-    Tensor* values = nullptr;
-    Tensor* indices = nullptr;
-    Tensor* new_residual = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices));
-    OP_REQUIRES_OK(ctx,
-                   ctx->forward_input_or_allocate_output({1}, 2, grad.shape(), &new_residual));
+    TopKOutputs out;
+    OP_REQUIRES_OK(ctx, PrepareTopK(ctx, DataTypeToEnum<Index>::value, &out));
     const int64_t n = grad.NumElements();
     if (n == 0) return;
     TopKErrorFeedbackCpu<T, Index>(ctx, grad.flat<T>().data(), residual.flat<T>().data(),
-                                   new_residual->flat<T>().data(), n, k,
-                                   values->flat<T>().data(), indices->flat<Index>().data());
+                                   out.new_residual->flat<T>().data(), n, out.k,
+                                   out.values->flat<T>().data(),
+                                   out.indices->flat<Index>().data());
   }
 };
 

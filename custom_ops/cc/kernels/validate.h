@@ -102,6 +102,41 @@ inline absl::Status ValidateDequantize(const Tensor& levels_t, const Tensor& nor
   return absl::OkStatus();
 }
 
+// Base of the QSGD kernels (CPU and GPU): reads and checks the levels and bucket_size attrs.
+class QsgdOpKernel : public OpKernel {
+ public:
+  QsgdOpKernel(OpKernelConstruction* ctx, const char* op, DataType level_type) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("levels", &levels_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bucket_size", &bucket_size_));
+    OP_REQUIRES_OK(ctx, ValidateQsgdAttrs(op, levels_, bucket_size_, level_type));
+  }
+
+ protected:
+  int64_t levels_ = 0;
+  int64_t bucket_size_ = 0;
+};
+
+// TopKErrorFeedback's checked k and its outputs, for the CPU and GPU kernels.
+struct TopKOutputs {
+  int64_t k = 0;
+  Tensor* values = nullptr;
+  Tensor* indices = nullptr;
+  Tensor* new_residual = nullptr;
+};
+
+// Validates the inputs and allocates the outputs; new_residual reuses residual's buffer when
+// TensorFlow allows it.
+inline absl::Status PrepareTopK(OpKernelContext* ctx, DataType index_type, TopKOutputs* out) {
+  const Tensor& grad = ctx->input(0);
+  absl::Status s = ValidateTopK(grad, ctx->input(1), ctx->input(2), index_type, &out->k);
+  if (!s.ok()) return s;
+  s = ctx->allocate_output(0, TensorShape({out->k}), &out->values);
+  if (!s.ok()) return s;
+  s = ctx->allocate_output(1, TensorShape({out->k}), &out->indices);
+  if (!s.ok()) return s;
+  return ctx->forward_input_or_allocate_output({1}, 2, grad.shape(), &out->new_residual);
+}
+
 }  // namespace tfs_ops
 }  // namespace tensorflow
 
