@@ -9,7 +9,6 @@ digits; rank 0 prints the averaged loss per epoch, the test accuracy and the byt
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -19,23 +18,13 @@ import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from horovod_keras_digits import COMPRESSORS, load_shard, make_model, report  # noqa: E402
+from horovod_keras_digits import COMPRESSORS, load_shard, make_model, parse_args, report  # noqa: E402
 
 import tf_sparsify.horovod as th  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--compressor", default="topk1", choices=sorted(COMPRESSORS))
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     hvd.init()
     x_tr, y_tr, x_te, y_te = load_shard(hvd.rank(), hvd.size())
     model = make_model(args.seed + hvd.rank())

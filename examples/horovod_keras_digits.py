@@ -33,8 +33,9 @@ COMPRESSORS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None, doc: str = __doc__) -> argparse.Namespace:
+    """The options both Horovod examples take; ``doc``'s first line is the description."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--compressor", default="topk1", choices=sorted(COMPRESSORS))
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
