@@ -63,6 +63,9 @@ class StepResult:
     #: ``[len(units), 5]`` float64 rows of :func:`tf_sparsify.heuristics.measure.unit_stats`
     #: when ``step(..., measure=...)`` was given (zeros on steps where it was False).
     stats: tf.Tensor | None = None
+    #: ``(wire bytes, dense bytes)`` this replica sent in the step (only variables with a
+    #: gradient travel).
+    sent_bytes: tuple[int, int] = (0, 0)
 
 
 class GradientPipeline:
@@ -184,7 +187,8 @@ class GradientPipeline:
     ) -> StepResult:
         """Exchange ``grads`` (aligned with the planned variables) and return the updates.
 
-        Units whose gradients are ``None`` are skipped (the variables keep their values).
+        Variables whose gradient is ``None`` are left out of their unit (they keep their values,
+        and their residuals and momenta stay as they were); the others travel.
         ``momenta``: the momentum buffers, needed when momentum correction is on. ``measure``:
         when given, ``StepResult.stats`` holds this replica's measurements of the step, computed
         only where ``measure`` is True (a boolean tensor, e.g. every N steps). ``per_replica``:
@@ -203,7 +207,7 @@ class GradientPipeline:
                 collective.num_replicas,
                 collective.divisor,
             )
-        active = [u for u in units if all(grads[i] is not None for i in u.indices)]
+        active = [p for p in (_with_gradients(u, grads) for u in units) if p is not None]
         messages, local_ok, probes = [], [], {}
         new_momenta: list[tf.Tensor | None] | None = [None] * len(grads) if use_momentum else None
         for unit in active:
@@ -232,7 +236,7 @@ class GradientPipeline:
                     )
                 for i, part in zip(unit.indices, _split(buffer, unit.shapes), strict=True):
                     new_momenta[i] = part
-            probes[unit.indices] = (g, x, e, remainder, payload, ctx)
+            probes[_planned(units, unit).indices] = (unit, g, x, e, remainder, payload, ctx)
             messages.append((unit, payload, ctx, remainder))
 
         if local_ok:
@@ -277,7 +281,9 @@ class GradientPipeline:
         stats = None
         if measure is not None:
             stats = _measure(units, probes, measure, step, replica_id)
-        return StepResult(updates, new_residuals, all_finite, new_momenta, stats)
+        return StepResult(
+            updates, new_residuals, all_finite, new_momenta, stats, bytes_per_step(active)
+        )
 
     def get_config(self) -> dict:
         return {
@@ -307,11 +313,12 @@ def _measure(units: Sequence[Unit], probes: dict, flag, step, replica_id) -> tf.
 
     def compute():
         rows = []
-        for unit in units:
-            if unit.indices not in probes:
+        for planned in units:
+            if planned.indices not in probes:
                 rows.append(tf.zeros([width], tf.float64))
                 continue
-            g, x, e, remainder, payload, ctx = probes[unit.indices]
+            # the unit as sent: its variables that had a gradient
+            unit, g, x, e, remainder, payload, ctx = probes[planned.indices]
             acc = x if e is None else x + e
             error = remainder
             if error is None:
@@ -328,6 +335,25 @@ def _measure(units: Sequence[Unit], probes: dict, flag, step, replica_id) -> tf.
         return tf.zeros([len(units), width], tf.float64)
 
     return tf.cond(tf.convert_to_tensor(flag, tf.bool), compute, skip)
+
+
+def _with_gradients(unit: Unit, grads: Sequence[tf.Tensor | None]) -> Unit | None:
+    """``unit`` restricted to its variables that have a gradient (``None`` if none has)."""
+    present = [j for j, i in enumerate(unit.indices) if grads[i] is not None]
+    if len(present) == len(unit.indices):
+        return unit
+    if not present:
+        return None
+    return dataclasses.replace(
+        unit,
+        indices=tuple(unit.indices[j] for j in present),
+        shapes=tuple(unit.shapes[j] for j in present),
+    )
+
+
+def _planned(units: Sequence[Unit], part: Unit) -> Unit:
+    """The planned unit that ``part`` (a unit restricted by :func:`_with_gradients`) came from."""
+    return next(u for u in units if part.indices[0] in u.indices)
 
 
 def _dense(grad) -> tf.Tensor:

@@ -214,4 +214,5 @@ def _stack_workers(parts: list[StepResult]) -> StepResult:
         finite=tf.reduce_all(tf.stack([r.finite for r in parts])),
         momenta=momenta,
         stats=stats,
+        sent_bytes=first.sent_bytes,
     )

@@ -119,8 +119,7 @@ class GradientExchange(tf.Module):
                 return tf.constant(True)
 
             tf.cond(result.finite, store, lambda: tf.constant(False))
-        active = [u for u in units if all(grads[i] is not None for i in u.indices)]
-        self.bytes_sent.assign_add(bytes_per_step(active)[0])
+        self.bytes_sent.assign_add(result.sent_bytes[0])
         self.step.assign_add(1)
         return result.updates
 

@@ -30,6 +30,30 @@ _BASE_OPTIONS = (
 )
 
 
+class _InnerOption:
+    """An option of the inner optimizer, read and written through the wrapper.
+
+    Keras' own wrappers (``LossScaleOptimizer``, ``MultiOptimizer``) and callbacks
+    (``SwapEMAWeights``) read and set these on the optimizer they hold; the wrapper passes them
+    on so they reach the optimizer that applies the update. Writes before the inner optimizer is
+    attached (the defaults Keras' constructor sets) are ignored.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        inner = obj.__dict__.get("inner_optimizer")
+        return None if inner is None else getattr(inner, self.name)
+
+    def __set__(self, obj, value) -> None:
+        inner = obj.__dict__.get("inner_optimizer")
+        if inner is not None:
+            setattr(inner, self.name, value)
+
+
 @keras.saving.register_keras_serializable(package="tf_sparsify")
 class SparsifiedOptimizer(keras.optimizers.Optimizer):
     """Wraps any Keras 3 optimizer; each replica compresses its own gradient.
@@ -64,7 +88,22 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
     ``tf.distribute`` strategy each replica keeps its own residual (sync-on-read, summed when
     saved and split evenly when restored: the total error mass is conserved). Non-finite
     gradients never enter the residuals; see :mod:`tf_sparsify.pipeline`.
+
+    The inner optimizer's options (``weight_decay``, ``clipnorm``, ``use_ema``,
+    ``loss_scale_factor``, ...) read and write through the wrapper, and
+    ``exclude_from_weight_decay`` reaches it, so Keras wrappers and callbacks around this one
+    (``LossScaleOptimizer``, ``MultiOptimizer``, ``SwapEMAWeights``) act on the inner optimizer.
     """
+
+    weight_decay = _InnerOption()
+    clipnorm = _InnerOption()
+    clipvalue = _InnerOption()
+    global_clipnorm = _InnerOption()
+    use_ema = _InnerOption()
+    ema_momentum = _InnerOption()
+    ema_overwrite_frequency = _InnerOption()
+    loss_scale_factor = _InnerOption()
+    gradient_accumulation_steps = _InnerOption()
 
     def __init__(
         self,
@@ -81,10 +120,11 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         **kwargs: Any,
     ):
         for option in _BASE_OPTIONS:
-            if kwargs.pop(option, None) not in (None, False, 0.99):
+            if option in kwargs:
                 raise ValueError(
-                    f"SparsifiedOptimizer does not take `{option}`: set it on the inner optimizer, "
-                    "where it acts on the averaged, decompressed update."
+                    f"SparsifiedOptimizer does not take `{option}` (received "
+                    f"{option}={kwargs[option]!r}): set it on the inner optimizer, where it acts "
+                    "on the averaged, decompressed update."
                 )
         if kwargs:
             raise ValueError(f"SparsifiedOptimizer got unknown arguments: {sorted(kwargs)}")
@@ -141,7 +181,11 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
             self._build_diagnostics()
         self.inner_optimizer.build(var_list)
         _disable_dense_all_reduce(self.inner_optimizer)
-        super().build(var_list)
+        # Keras' build would also make EMA and accumulator variables for the options read
+        # through to the inner optimizer, which keeps its own: only index the variables here.
+        self._trainable_variables_indices = {self._var_key(v): i for i, v in enumerate(var_list)}
+        self._trainable_variables = list(var_list)
+        self.built = True
 
     def add_replica_variable(self, shape, dtype, name: str, aggregation: str) -> backend.Variable:
         """A zero optimizer variable of which each replica writes only its own copy
@@ -257,20 +301,68 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
     def iterations(self):
         return self.inner_optimizer.iterations
 
+    @property
+    def _model_variables_moving_average(self):
+        """The inner optimizer's EMA of the model variables (read by ``SwapEMAWeights``)."""
+        return self.inner_optimizer._model_variables_moving_average
+
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """As on the inner optimizer, which applies the weight decay."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    def get_weights(self) -> list:
+        """The values of :attr:`variables` (this wrapper's, then the inner optimizer's)."""
+        return [v.numpy() for v in self.variables]
+
+    def set_weights(self, weights) -> None:
+        """Assign :attr:`variables` (this wrapper's and the inner optimizer's) from ``weights``."""
+        if not self.built:
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not yet been built: "
+                "call `optimizer.build(trainable_variables)` first."
+            )
+        variables = self.variables
+        weights = list(weights)
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"`weights` must hold {len(variables)} arrays, one per optimizer variable; "
+                f"received {len(weights)}."
+            )
+        for variable, weight in zip(variables, weights, strict=True):
+            if tuple(variable.shape) != tuple(weight.shape):
+                raise ValueError(
+                    f"Optimizer variable {variable.path} has shape {tuple(variable.shape)}; "
+                    f"received a weight of shape {tuple(weight.shape)}."
+                )
+            variable.assign(weight)
+
     # -- one step -----------------------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):
-        if not self.built:
-            with backend.name_scope(self.name, caller=self):
-                self.build(list(trainable_variables))
-            self.built = True
-        variables = list(trainable_variables) if trainable_variables is not None else None
-        ordered = self._in_build_order(list(grads), variables)
+        grads = list(grads)
+        if not grads:
+            return
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `variables`, the optimizer must already be "
+                    "built: call `optimizer.build(trainable_variables)` first."
+                )
+            variables = None
+        else:
+            variables = list(trainable_variables)
+            if not self.built:
+                with backend.name_scope(self.name, caller=self):
+                    self.build(variables)
+            self._check_variables_are_known(variables)
+        ordered = self._in_build_order(grads, variables)
+        # Keras' checks: "No gradients provided" for all-None, a warning for some None.
+        self._filter_empty_gradients(grads, variables or self._trainable_variables)
         record = None
         if self.diagnostics_every and self._diagnostics is not None:
             record = tf.equal(self._iterations % self.diagnostics_every, 0)
@@ -279,8 +371,8 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
             self._write_residuals(result)
             if record is not None:
                 self._write_diagnostics(result, record)
-            self.bytes_sent.assign_add(self.wire_bytes_per_step)
-            self.dense_bytes.assign_add(self.dense_bytes_per_step)
+            self.bytes_sent.assign_add(result.sent_bytes[0])
+            self.dense_bytes.assign_add(result.sent_bytes[1])
             self._iterations.assign_add(1)
         pairs = [
             (u, v)
@@ -289,6 +381,12 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         ]
         if pairs:
             self.inner_optimizer.apply([u for u, _ in pairs], [v for _, v in pairs])
+
+    def update_step(self, gradient, variable, learning_rate):
+        raise NotImplementedError(
+            "SparsifiedOptimizer updates only through apply()/apply_gradients(): a step's "
+            "gradients are exchanged together before the inner optimizer's update_step runs."
+        )
 
     def collective(self) -> Collective:
         """How this step's payloads travel: tf.distribute's replica context, or nowhere.
