@@ -14,11 +14,14 @@ import argparse
 import os
 import time
 
-import keras
-import numpy as np
-import tensorflow as tf
+# TensorFlow's C++ log lines off unless the user asked for them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tf_sparsify as tfs
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_sparsify as tfs  # noqa: E402
 
 # name -> (label, compressor factory, learning-rate factor). Scaled random-k has variance
 # beta = d/k - 1 = 9 at 10%; at the dense step size it diverges, so it runs at lr / (1 + beta).

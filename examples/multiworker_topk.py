@@ -23,7 +23,10 @@ import os
 import sys
 import tempfile
 
-import numpy as np
+# TensorFlow's C++ log lines off unless the user asked for them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
 
 CONFIGS = ("topk", "qsgd", "terngrad", "topk_delay2")
 LEARNING_RATE = 0.1

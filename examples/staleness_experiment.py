@@ -37,13 +37,16 @@ import argparse
 import os
 import time
 
-import keras
-import numpy as np
-import tensorflow as tf
+# TensorFlow's C++ log lines off unless the user asked for them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tf_sparsify as tfs
-from tf_sparsify import theory
-from tf_sparsify.distribute import IAG, DelayedGradients, ServerOptimizer
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_sparsify as tfs  # noqa: E402
+from tf_sparsify import theory  # noqa: E402
+from tf_sparsify.distribute import IAG, DelayedGradients, ServerOptimizer  # noqa: E402
 
 CHUNK = 100  # steps per compiled loop
 FACTORS = (1, 2, 4, 8)  # step sizes in (a), as multiples of the bound

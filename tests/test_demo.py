@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -11,15 +12,25 @@ import numpy as np
 from tests.conftest import ROOT
 
 
-def run_demo(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``examples/digits_demo.py`` with ``args`` in a fresh interpreter."""
+def run_demo(
+    *args: str, timeout: int = 300, log_level: str | None = "2"
+) -> subprocess.CompletedProcess:
+    """``examples/digits_demo.py`` with ``args`` in a fresh interpreter; ``log_level`` is the
+    ``TF_CPP_MIN_LOG_LEVEL`` the user set (None: not set)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    if log_level is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = log_level
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "digits_demo.py"), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        env={**env, "PYTHONPATH": ROOT},
     )
+
+
+#: a line of TensorFlow's C++ logging (``I0000 00:00:...  file.cc:12] ...``) or absl's preamble
+CPP_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d|absl::InitializeLog", re.MULTILINE)
 
 
 def test_digits_demo_prints_table_and_writes_png(tmp_path):
@@ -62,3 +73,12 @@ def test_demo_reads_a_local_mnist_npz(tmp_path):
 def test_demo_rejects_unknown_compressor():
     proc = run_demo("--compressors=zip", timeout=120)
     assert proc.returncode == 2 and "unknown compressors ['zip']" in proc.stderr
+
+
+def test_demo_is_quiet_unless_the_user_asks_for_tensorflow_logs(tmp_path):
+    args = ("--epochs=1", "--compressors=dense", "--verbose=0", f"--out={tmp_path / 'q.png'}")
+    quiet = run_demo(*args, log_level=None)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert not CPP_LOG_LINE.search(quiet.stderr + quiet.stdout), quiet.stderr[-3000:]
+    loud = run_demo(*args, log_level="0")  # the user's own setting wins
+    assert loud.returncode == 0 and CPP_LOG_LINE.search(loud.stderr)
