@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks of the TF-free CUDA core on a machine with nvcc, NumPy and PyTorch (no
-# TensorFlow): builds custom_ops/cuda into libtfs_cuda.so for this GPU's architecture, checks it
+# TensorFlow): builds tf_sparsify/ops/src/cuda into libtfs_cuda.so for this GPU's architecture, checks it
 # against the NumPy model on adversarial cases, then times it at n = 100M (k = 1% and 0.1%)
 # against torch.topk plus residual ops and against copies of the same bytes.
 # Usage: bash benchmarks/gpu/run_gpu_checks.sh [gpu_check.py options]; builds and logs to
@@ -21,12 +21,12 @@ if [[ -z "$CAP" ]]; then
   CAP=$("$PY" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
 fi
 echo "nvcc: $("$NVCC" --version | tail -n1); building for sm_$CAP"
-FLAGS=(-std=c++17 -O3 --fmad=false -Xcompiler -fPIC -Icustom_ops/include
+FLAGS=(-std=c++17 -O3 --fmad=false -Xcompiler -fPIC -Itf_sparsify/ops/src/include
        -gencode "arch=compute_$CAP,code=sm_$CAP")
 start=$(date +%s)
-"$NVCC" "${FLAGS[@]}" -c custom_ops/cuda/topk.cu -o "$BUILD/topk.o" &
+"$NVCC" "${FLAGS[@]}" -c tf_sparsify/ops/src/cuda/topk.cu -o "$BUILD/topk.o" &
 topk=$!
-"$NVCC" "${FLAGS[@]}" -c custom_ops/cuda/qsgd.cu -o "$BUILD/qsgd.o" &
+"$NVCC" "${FLAGS[@]}" -c tf_sparsify/ops/src/cuda/qsgd.cu -o "$BUILD/qsgd.o" &
 qsgd=$!
 wait "$topk"
 wait "$qsgd"

@@ -1,6 +1,6 @@
 """Build the custom-op library against the installed TensorFlow.
 
-``python -m tf_sparsify.ops.build`` compiles ``custom_ops/`` into
+``python -m tf_sparsify.ops.build`` compiles ``tf_sparsify/ops/src/`` into
 ``tf_sparsify/ops/lib/_tf_sparsify_ops.so`` with the flags of the TensorFlow in this interpreter.
 When ``nvcc`` is found (``$CUDA_HOME/bin``, ``/usr/local/cuda/bin`` or ``PATH``) the CUDA core is
 built for sm_80 and sm_90 and linked with the static CUDA runtime; otherwise, or with
@@ -24,7 +24,7 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 LIB_DIR = PACKAGE_DIR / "lib"
 LIB_PATH = LIB_DIR / "_tf_sparsify_ops.so"
-SOURCE_DIR = PACKAGE_DIR.parents[1] / "custom_ops"
+SOURCE_DIR = PACKAGE_DIR / "src"
 
 CPU_SOURCES = (
     "cc/ops/ops.cc",

@@ -1,4 +1,4 @@
-// Thin DEVICE_GPU OpKernels over the TF-free CUDA core (custom_ops/cuda). Host code only: the
+// Thin DEVICE_GPU OpKernels over the TF-free CUDA core (../../cuda). Host code only: the
 // core is reached through its C API on TensorFlow's compute stream.
 #include <cstdint>
 
