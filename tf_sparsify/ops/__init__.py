@@ -1,10 +1,22 @@
 """Custom ops: fused TopK with error feedback and QSGD quantization.
 
-Each function runs the compiled kernels of ``lib/_tf_sparsify_ops.so`` (built by
-``python -m tf_sparsify.ops.build``) when that library loads, and otherwise the pure-TF
-reference in :mod:`tf_sparsify.ops.reference`, which gives identical results, with a one-time
-warning. With ``TF_SPARSIFY_REQUIRE_OPS=1`` a missing library raises RuntimeError instead.
-Arguments are checked here for both paths; invalid ones raise InvalidArgumentError.
+Each function runs the compiled kernels (built by ``python -m tf_sparsify.ops.build``, loaded by
+:mod:`tf_sparsify.ops.library`) when they load, and otherwise the pure-TF reference in
+:mod:`tf_sparsify.ops.reference`, which gives identical results, with a one-time warning. With
+``TF_SPARSIFY_REQUIRE_OPS=1`` a missing library raises RuntimeError instead. Arguments are
+checked here for both paths; invalid ones raise InvalidArgumentError naming the argument.
+
+Numerics shared by every path (CPU kernel, CUDA core, pure-TF reference on CPU, NumPy model):
+
+* Denormals: float32 and float64 arithmetic (and bfloat16's, done in float32) reads denormal
+  inputs as zero and flushes denormal results to zero, keeping the sign, as TensorFlow's CPU
+  kernels do (x86 DAZ/FTZ; a result is flushed when, rounded to the type's precision with an
+  unbounded exponent, it is below the smallest normal). float16 is computed in float32, where
+  its denormals are normal numbers, so they are kept, as in TensorFlow.
+* QSGD saturates instead of overflowing: finite inputs beyond float32's range count as
+  +-float32 max, bucket norms above float32 max are sent as float32 max (levels are capped at
+  ``levels``), and decoded values are clamped to the output dtype's largest finite magnitude.
+  Finite inputs thus never give Inf or NaN; Inf and NaN inputs keep their documented effect.
 """
 
 from __future__ import annotations
@@ -13,18 +25,16 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify.ops import reference
+from tf_sparsify.ops import library, reference
+from tf_sparsify.ops.gpu import format_cuda
 from tf_sparsify.ops.numpy_reference import num_buckets
 
 __all__ = [
-    "LIBRARY_PATH",
     "OpsInfo",
     "info",
     "is_compiled",
@@ -33,39 +43,25 @@ __all__ = [
     "topk_error_feedback",
 ]
 
-LIBRARY_PATH = Path(__file__).resolve().parent / "lib" / "_tf_sparsify_ops.so"
 REQUIRE_ENV = "TF_SPARSIFY_REQUIRE_OPS"
-OP_NAMES = ("TopKErrorFeedback", "QSGDQuantize", "QSGDDequantize")
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+INDEX_DTYPES = (tf.int32, tf.int64)
 MAX_LEVELS = 32767
+GPU_MAX_ELEMENTS = 2**31 - 1
 
 _warned = False
 
 
-@dataclass(frozen=True)
-class _Library:
-    module: ModuleType | None
-    reason: str | None
-
-
 @functools.cache
-def _library() -> _Library:
-    if not LIBRARY_PATH.is_file():
-        return _Library(None, f"{LIBRARY_PATH} not found; run `python -m tf_sparsify.ops.build`")
-    try:
-        module = tf.load_op_library(str(LIBRARY_PATH))
-    except (tf.errors.OpError, OSError) as err:
-        return _Library(None, f"cannot load {LIBRARY_PATH}: {err}")
-    for name in OP_NAMES:
-        tf.no_gradient(name)
-    return _Library(module, None)
+def _library() -> library.Library:
+    return library.load()
 
 
 # Load at import so that graphs and SavedModels using the ops can be imported right away.
 _library()
 
 
-def _compiled() -> ModuleType | None:
+def _compiled() -> Any:
     """The loaded op module, or None after warning once (error under TF_SPARSIFY_REQUIRE_OPS)."""
     global _warned
     lib = _library()
@@ -98,6 +94,11 @@ class OpsInfo:
     kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
     gpus: tuple[str, ...] = ()
     tensorflow: str = tf.__version__
+    cuda_built: str | None = None
+    cuda_archs: tuple[str, ...] = ()
+    cuda_driver: str | None = None
+    gpu_kernels: bool = False
+    gpu_reason: str | None = None
 
     def __str__(self) -> str:
         if not self.compiled:
@@ -107,6 +108,14 @@ class OpsInfo:
             )
         lines = [f"tf_sparsify ops: compiled kernels loaded from {self.library}"]
         lines += [f"  {op}: {', '.join(devs) or 'no kernels'}" for op, devs in self.kernels.items()]
+        driver = f"CUDA {self.cuda_driver}" if self.cuda_driver else "none found"
+        if self.cuda_built:
+            archs = ", ".join(f"sm_{a}" for a in self.cuda_archs)
+            lines.append(f"  CUDA: built with CUDA {self.cuda_built} ({archs}); driver: {driver}")
+            state = "loaded" if self.gpu_kernels else f"NOT loaded ({self.gpu_reason})"
+            lines.append(f"  GPU kernels: {state}")
+        else:
+            lines.append(f"  CUDA: GPU kernels {self.gpu_reason}; driver: {driver}")
         lines.append(
             f"  GPUs visible to TensorFlow {self.tensorflow}: {', '.join(self.gpus) or 'none'}"
         )
@@ -121,13 +130,26 @@ def _registered_devices(op: str) -> tuple[str, ...]:
 
 
 def info() -> OpsInfo:
-    """Which compiled kernels are loaded and for which devices."""
+    """Which compiled kernels are loaded, for which devices, and the CUDA versions involved."""
     lib = _library()
     gpus = tuple(d.name for d in tf.config.list_physical_devices("GPU"))
+    path = str(lib.directory) if lib.directory else "(none)"
     if lib.module is None:
-        return OpsInfo(False, str(LIBRARY_PATH), lib.reason, gpus=gpus)
-    kernels = {op: _registered_devices(op) for op in OP_NAMES}
-    return OpsInfo(True, str(LIBRARY_PATH), None, kernels, gpus)
+        return OpsInfo(False, path, lib.reason, gpus=gpus)
+    kernels = {op: _registered_devices(op) for op in library.OP_NAMES}
+    build = lib.build or {}
+    return OpsInfo(
+        True,
+        path,
+        None,
+        kernels,
+        gpus,
+        cuda_built=build.get("cuda"),
+        cuda_archs=tuple(build.get("cuda_archs", ())),
+        cuda_driver=format_cuda(lib.driver) if lib.driver else None,
+        gpu_kernels=lib.gpu_loaded,
+        gpu_reason=lib.gpu_reason,
+    )
 
 
 def _invalid(message: str) -> tf.errors.InvalidArgumentError:
@@ -141,21 +163,59 @@ def _check_float(name: str, dtype: tf.DType) -> None:
 
 def _static_int(value: Any) -> int | None:
     """``value`` as a Python int when it is one (or a NumPy integer), else None."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         return int(value)
     return None
 
 
+def _check_k(k: Any, n: int | None) -> int | tf.Tensor:
+    """``k`` as a checked Python int, or an int32/int64 scalar tensor (checked by the kernel)."""
+    k_int = _static_int(k)
+    if k_int is None:
+        if isinstance(k, (bool, np.bool_, float, np.floating, str)):
+            raise _invalid(f"k must be an integer, got k = {k!r} ({type(k).__name__})")
+        k = tf.convert_to_tensor(k)
+        if k.dtype not in INDEX_DTYPES:
+            raise _invalid(f"k must be an int32 or int64 scalar, got dtype {k.dtype.name}")
+        if k.shape.rank not in (None, 0):
+            raise _invalid(f"k must be a scalar, got shape {k.shape}")
+        return k
+    if k_int < 0 or (n is not None and k_int > n):
+        bound = f"[0, {n}] (the number of elements of grad)" if n is not None else ">= 0"
+        raise _invalid(f"k must be in {bound}, got k = {k_int}")
+    return k_int
+
+
+def _check_index_dtype(index_dtype: Any, n: int | None) -> tf.DType:
+    if index_dtype is None:
+        return reference.index_dtype(n)
+    dtype = tf.as_dtype(index_dtype)
+    if dtype not in INDEX_DTYPES:
+        raise _invalid(f"index_dtype must be int32 or int64, got {dtype.name}")
+    if dtype == tf.int32 and n is not None and n > reference.MAX_INT32_ELEMENTS:
+        raise _invalid(f"index_dtype int32 cannot index {n} elements; use tf.int64")
+    return dtype
+
+
 def topk_error_feedback(
-    grad: tf.Tensor, residual: tf.Tensor, k: int | tf.Tensor
+    grad: tf.Tensor,
+    residual: tf.Tensor,
+    k: int | tf.Tensor,
+    index_dtype: tf.DType | None = None,
 ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Fused top-k with error feedback: ``(values, indices, new_residual)``.
 
-    ``acc = grad + residual`` in the input dtype; the k entries of largest magnitude, ranked by
-    the IEEE bit pattern with the sign cleared, are selected: NaN ranks above +Inf (so NaNs are
-    always sent and never kept in the residual), +0.0 equals -0.0, ties go to the lowest flat
-    index. ``indices`` are ascending flat indices (int32 below 2**31 elements, else int64),
+    ``acc = grad + residual`` in the input dtype (denormals flushed, see the module docstring);
+    the k entries of largest magnitude, ranked by the IEEE bit pattern with the sign cleared, are
+    selected: NaN ranks above +Inf (so NaNs are always sent and never kept in the residual),
+    +0.0 equals -0.0, ties go to the lowest flat index. ``indices`` are ascending flat indices,
     ``values = acc[indices]``, ``new_residual`` is ``acc`` with those entries zeroed.
+
+    ``k`` is an int (or an int32/int64 scalar tensor) in ``[0, n]``. ``index_dtype`` defaults to
+    int32, or int64 when the static size is ``2**31`` elements or more; with an unknown static
+    size and int32 indices, a tensor that turns out that large fails with InvalidArgumentError
+    (pass ``index_dtype=tf.int64``). The GPU kernel takes fewer than ``2**31`` elements: larger
+    tensors of known size run on the CPU kernel, unknown-size ones fail on GPU saying so.
     """
     grad = tf.convert_to_tensor(grad)
     residual = tf.convert_to_tensor(residual)
@@ -167,14 +227,14 @@ def topk_error_feedback(
     if not grad.shape.is_compatible_with(residual.shape):
         raise _invalid(f"residual must have grad's shape {grad.shape}, got {residual.shape}")
     n = grad.shape.num_elements()
-    k_int = _static_int(k)
-    if k_int is not None and (k_int < 0 or (n is not None and k_int > n)):
-        bound = f"[0, {n}] (the number of elements of grad)" if n is not None else ">= 0"
-        raise _invalid(f"k must be in {bound}, got k = {k_int}")
+    k = _check_k(k, n)
+    index_type = _check_index_dtype(index_dtype, n)
     ops = _compiled()
     if ops is None:
-        return reference.topk_error_feedback(grad, residual, k)
-    index_type = reference.index_dtype(n) if n is not None else tf.int64
+        return reference.topk_error_feedback(grad, residual, k, index_type)
+    if n is not None and n > GPU_MAX_ELEMENTS:
+        with tf.device("/device:CPU:0"):
+            return tuple(ops.top_k_error_feedback(grad, residual, k, index_type=index_type))
     return tuple(ops.top_k_error_feedback(grad, residual, k, index_type=index_type))
 
 
@@ -182,8 +242,10 @@ def _check_qsgd_attrs(levels: Any, bucket_size: Any) -> tuple[int, int]:
     lv, bs = _static_int(levels), _static_int(bucket_size)
     if lv is None or not 1 <= lv <= MAX_LEVELS:
         raise _invalid(f"levels must be an int in [1, {MAX_LEVELS}], got levels = {levels!r}")
-    if bs is None or bs < 0:
-        raise _invalid(f"bucket_size must be an int >= 0 (0 = one bucket), got {bucket_size!r}")
+    if bs is None or not 0 <= bs < 2**63:
+        raise _invalid(
+            f"bucket_size must be an int in [0, 2**63) (0 = one bucket), got {bucket_size!r}"
+        )
     return lv, bs
 
 
@@ -192,9 +254,10 @@ def qsgd_quantize(
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """QSGD: flat ``(signed_levels, norms)``, int8 levels for ``levels <= 127`` else int16.
 
-    Buckets of ``bucket_size`` flat entries (0: the whole tensor) are scaled by their float32
-    L2 norm and rounded stochastically with ``hash_uniform(seed, i)``, so the same seed gives
-    the same payload on every path. NaN entries (and Inf entries, as Inf/Inf) get level 0.
+    Buckets of ``bucket_size`` flat entries (0, or any size >= n: the whole tensor) are scaled
+    by their float32 L2 norm and rounded stochastically with ``hash_uniform(seed, i)``, so the
+    same seed gives the same payload on every path. NaN entries (and Inf entries, as Inf/Inf)
+    get level 0. Denormals and values near float32's maximum: see the module docstring.
     """
     tensor = tf.convert_to_tensor(tensor)
     _check_float("tensor", tensor.dtype)
@@ -220,7 +283,8 @@ def qsgd_dequantize(
     shape: tf.TensorShape | list[int] | tf.Tensor,
     dtype: tf.DType,
 ) -> tf.Tensor:
-    """QSGD decoder: ``norm_of_bucket * signed_level / levels`` as ``dtype`` in ``shape``."""
+    """QSGD decoder: ``signed_level * (norm_of_bucket / levels)`` as ``dtype`` in ``shape``,
+    clamped to ``dtype``'s largest finite magnitude."""
     signed_levels = tf.convert_to_tensor(signed_levels)
     norms = tf.convert_to_tensor(norms)
     levels, bucket_size = _check_qsgd_attrs(levels, bucket_size)

@@ -1,18 +1,29 @@
-"""Build the custom-op library against the installed TensorFlow.
+"""Build the custom-op libraries against the installed TensorFlow.
 
-``python -m tf_sparsify.ops.build`` compiles ``tf_sparsify/ops/src/`` into
-``tf_sparsify/ops/lib/_tf_sparsify_ops.so`` with the flags of the TensorFlow in this interpreter.
-When ``nvcc`` is found (``$CUDA_HOME/bin``, ``/usr/local/cuda/bin`` or ``PATH``) the CUDA core is
-built for sm_80 and sm_90 and linked with the static CUDA runtime; otherwise, or with
-``--cpu-only`` / ``TF_SPARSIFY_CUDA=0``, only the CPU kernels are built. Unchanged objects are
-reused. On failure it prints why and exits with status 1.
+``python -m tf_sparsify.ops.build`` compiles the sources shipped in ``tf_sparsify/ops/src/``
+with the flags of the TensorFlow in this interpreter, into the folder chosen by
+:mod:`tf_sparsify.ops.paths` (the package's ``lib/`` when writable, else a per-user cache):
+``_tf_sparsify_ops.so`` (the ops and their CPU kernels), ``_tf_sparsify_ops_gpu.so`` (GPU
+kernels over the CUDA core, static CUDA runtime) when CUDA is built, and ``build_info.json``
+(TensorFlow and CUDA versions, architectures), which the loader checks.
+
+CUDA is built when TensorFlow is a CUDA build and an ``nvcc`` of the same CUDA major version is
+found (``$CUDA_HOME/bin``, ``PATH``, ``/usr/local/cuda/bin``, ``/usr/local/cuda-*/bin``): a
+library built with another major version would need a driver TensorFlow itself does not. A
+CPU-only TensorFlow (``tensorflow-cpu``) gets CPU kernels only. ``TF_SPARSIFY_CUDA=0`` (or
+``--cpu-only``) skips CUDA; ``TF_SPARSIFY_CUDA=1`` requires it (with any nvcc when TensorFlow has
+no CUDA, which only checks that the GPU code compiles). Unchanged objects are reused. On
+failure it prints why and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,10 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-LIB_DIR = PACKAGE_DIR / "lib"
-LIB_PATH = LIB_DIR / "_tf_sparsify_ops.so"
-SOURCE_DIR = PACKAGE_DIR / "src"
+from tf_sparsify.ops.paths import GPU_LIB_NAME, INFO_NAME, LIB_NAME, SOURCE_DIR, build_dir
 
 CPU_SOURCES = (
     "cc/ops/ops.cc",
@@ -33,7 +41,7 @@ CPU_SOURCES = (
 )
 GPU_HOST_SOURCES = ("cc/kernels/gpu_kernels.cc",)
 CUDA_SOURCES = ("cuda/topk.cu", "cuda/qsgd.cu")
-CUDA_ARCHS = ("80", "90")
+CUDA_ENV = "TF_SPARSIFY_CUDA"
 CXX_FLAGS = (
     "-O3",
     "-march=x86-64-v2",
@@ -57,16 +65,84 @@ class Job:
     command: tuple[str, ...]
 
 
-def find_nvcc() -> Path | None:
-    """nvcc from ``$CUDA_HOME``, ``/usr/local/cuda`` or ``PATH``, or None."""
-    candidates = []
+@dataclass(frozen=True)
+class Nvcc:
+    """An nvcc and the CUDA version it compiles for ("13.0")."""
+
+    path: Path
+    version: str
+
+    @property
+    def major(self) -> int:
+        return int(self.version.split(".")[0])
+
+
+def nvcc_candidates() -> list[Path]:
+    """Executable nvccs, in order of preference, each once."""
+    found = []
     if os.environ.get("CUDA_HOME"):
-        candidates.append(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc")
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+        found.append(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc")
     on_path = shutil.which("nvcc")
     if on_path:
-        candidates.append(Path(on_path))
-    return next((c.resolve() for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+        found.append(Path(on_path))
+    found.append(Path("/usr/local/cuda/bin/nvcc"))
+    found += [Path(p) for p in sorted(glob.glob("/usr/local/cuda-*/bin/nvcc"), reverse=True)]
+    unique: dict[Path, None] = {}
+    for c in found:
+        if c.is_file() and os.access(c, os.X_OK):
+            unique.setdefault(c.resolve(), None)
+    return list(unique)
+
+
+def nvcc_version(nvcc: Path) -> str | None:
+    """CUDA release of ``nvcc`` from ``nvcc --version`` ("release 12.5, V12.5.82")."""
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    return f"{match[1]}.{match[2]}" if match else None
+
+
+def find_nvcc() -> Path | None:
+    """The first nvcc found, whatever its version (for compile checks of the CUDA core)."""
+    candidates = nvcc_candidates()
+    return candidates[0] if candidates else None
+
+
+def choose_nvcc(
+    tf_cuda: str | None, found: list[Nvcc], mode: str | None
+) -> tuple[Nvcc | None, str]:
+    """The nvcc to build the GPU kernels with, or None, and why.
+
+    ``tf_cuda`` is TensorFlow's CUDA version (None for a CPU-only TensorFlow); ``mode`` is the
+    value of ``$TF_SPARSIFY_CUDA`` ("0": never, "1": required, None: when it can run).
+    """
+    listed = ", ".join(f"{n.path} (CUDA {n.version})" for n in found) or "none"
+    if mode == "0":
+        return None, f"{CUDA_ENV}=0"
+    if tf_cuda is None:
+        if mode == "1" and found:
+            return found[0], f"{CUDA_ENV}=1; TensorFlow has no CUDA, so this only checks the build"
+        if mode == "1":
+            raise BuildError(f"{CUDA_ENV}=1 but no nvcc found (set CUDA_HOME)")
+        return None, "this TensorFlow is not a CUDA build, so GPU kernels could never run"
+    major = int(tf_cuda.split(".")[0])
+    for nvcc in found:
+        if nvcc.major == major:
+            return nvcc, f"TensorFlow is built with CUDA {tf_cuda}"
+    reason = (
+        f"TensorFlow is built with CUDA {tf_cuda} but no nvcc of CUDA {major}.x was found "
+        f"(found: {listed}); install a CUDA {major} toolkit and set CUDA_HOME"
+    )
+    if mode == "1":
+        raise BuildError(reason)
+    return None, reason
+
+
+def cuda_archs(nvcc: Nvcc) -> tuple[str, ...]:
+    """SASS architectures (PTX of the last one is added): Volta only where CUDA still has it."""
+    return ("70", "75", "80", "90") if nvcc.major <= 12 else ("75", "80", "90")
 
 
 def cuda_library_dir(nvcc: Path) -> Path:
@@ -78,21 +154,24 @@ def cuda_library_dir(nvcc: Path) -> Path:
     raise BuildError(f"nvcc found at {nvcc} but no libcudart_static.a under {home}")
 
 
-def tensorflow_flags() -> tuple[list[str], list[str]]:
-    """(compile flags, link flags) of the installed TensorFlow."""
+def tensorflow_config() -> tuple[str, str | None, list[str], list[str]]:
+    """(version, CUDA version or None, compile flags, link flags) of the installed TensorFlow."""
     try:
         import tensorflow as tf
     except ImportError as err:
         raise BuildError(f"cannot import tensorflow: {err}") from err
-    return list(tf.sysconfig.get_compile_flags()), list(tf.sysconfig.get_link_flags())
+    info = tf.sysconfig.get_build_info()
+    cuda = info.get("cuda_version") if info.get("is_cuda_build") else None
+    return (
+        tf.__version__,
+        str(cuda) if cuda else None,
+        list(tf.sysconfig.get_compile_flags()),
+        list(tf.sysconfig.get_link_flags()),
+    )
 
 
 def _stamp(job: Job) -> str:
     return hashlib.sha256("\0".join(job.command).encode()).hexdigest()
-
-
-def _headers() -> list[Path]:
-    return [p for p in SOURCE_DIR.rglob("*.h")]
 
 
 def _up_to_date(job: Job, newest_header: float) -> bool:
@@ -117,77 +196,96 @@ def _compile(job: Job) -> float:
     return time.monotonic() - start
 
 
-def plan(cxx: str, nvcc: Path | None, build_dir: Path) -> tuple[list[Job], list[str]]:
-    """Compile jobs and the extra link flags."""
-    tf_compile, tf_link = tensorflow_flags()
+def _host_job(cxx: str, src: str, objects: Path, tf_compile: list[str]) -> Job:
+    out = objects / (Path(src).stem + ".o")
     include = [f"-I{SOURCE_DIR / 'include'}", f"-I{SOURCE_DIR / 'cuda'}"]
-    host_sources = CPU_SOURCES + (GPU_HOST_SOURCES if nvcc else ())
-    jobs = [
-        Job(
-            SOURCE_DIR / src,
-            build_dir / (Path(src).stem + ".o"),
-            (cxx, "-c", str(SOURCE_DIR / src), "-o", str(build_dir / (Path(src).stem + ".o")))
-            + CXX_FLAGS
-            + tuple(tf_compile + include),
-        )
-        for src in host_sources
-    ]
-    link = list(tf_link)
-    if nvcc:
-        gencode = []
-        for arch in CUDA_ARCHS:
-            gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
-        gencode += ["-gencode", f"arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}"]
-        for src in CUDA_SOURCES:
-            out = build_dir / (Path(src).stem + "_cuda.o")
-            command = (
-                str(nvcc),
-                "-c",
-                str(SOURCE_DIR / src),
-                "-o",
-                str(out),
-                "-std=c++17",
-                "-O3",
-                "--fmad=false",
-                "-Xcompiler",
-                "-fPIC",
-                f"-I{SOURCE_DIR / 'include'}",
-                *gencode,
-            )
-            jobs.append(Job(SOURCE_DIR / src, out, command))
-        link += [f"-L{cuda_library_dir(nvcc)}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
-    return jobs, link
+    command = (cxx, "-c", str(SOURCE_DIR / src), "-o", str(out), *CXX_FLAGS, *tf_compile, *include)
+    return Job(SOURCE_DIR / src, out, command)
+
+
+def _cuda_job(nvcc: Nvcc, src: str, objects: Path) -> Job:
+    out = objects / (Path(src).stem + "_cuda.o")
+    archs = cuda_archs(nvcc)
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    command = (
+        str(nvcc.path),
+        "-c",
+        str(SOURCE_DIR / src),
+        "-o",
+        str(out),
+        "-std=c++17",
+        "-O3",
+        "--fmad=false",
+        "-Xcompiler",
+        "-fPIC",
+        f"-I{SOURCE_DIR / 'include'}",
+        *gencode,
+    )
+    return Job(SOURCE_DIR / src, out, command)
+
+
+def _link(cxx: str, objects: list[Job], flags: list[str], target: Path) -> None:
+    tmp = target.with_suffix(f".tmp{os.getpid()}.so")
+    _run([cxx, "-shared", "-o", str(tmp), *(str(j.output) for j in objects), *flags], "linking")
+    os.replace(tmp, target)
 
 
 def build(cpu_only: bool = False, jobs: int | None = None, verbose: bool = False) -> Path:
-    """Build the library; returns its path or raises BuildError."""
+    """Build the libraries; returns the folder holding them or raises BuildError."""
     if not SOURCE_DIR.is_dir():
-        raise BuildError(f"sources not found at {SOURCE_DIR} (build from a source checkout)")
+        raise BuildError(f"kernel sources not found at {SOURCE_DIR} (a broken install?)")
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise BuildError(f"C++ compiler {cxx!r} not found (set CXX)")
-    nvcc = None if cpu_only or os.environ.get("TF_SPARSIFY_CUDA") == "0" else find_nvcc()
-    build_dir = LIB_DIR / "build"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    compile_jobs, link_flags = plan(cxx, nvcc, build_dir)
-    newest_header = max(p.stat().st_mtime for p in _headers())
-    todo = [j for j in compile_jobs if not _up_to_date(j, newest_header)]
+    tf_version, tf_cuda, tf_compile, tf_link = tensorflow_config()
+    mode = "0" if cpu_only else os.environ.get(CUDA_ENV)
+    found = [Nvcc(p, v) for p in nvcc_candidates() if (v := nvcc_version(p))]
+    nvcc, why = choose_nvcc(tf_cuda, found, mode)
+    out_dir = build_dir(tf_version)
+    objects = out_dir / "build"
+    objects.mkdir(parents=True, exist_ok=True)
+    cpu_jobs = [_host_job(cxx, s, objects, tf_compile) for s in CPU_SOURCES]
+    gpu_jobs = []
+    if nvcc:
+        gpu_jobs = [_host_job(cxx, s, objects, tf_compile) for s in GPU_HOST_SOURCES]
+        gpu_jobs += [_cuda_job(nvcc, s, objects) for s in CUDA_SOURCES]
+    headers = [p.stat().st_mtime for ext in ("*.h", "*.cuh") for p in SOURCE_DIR.rglob(ext)]
+    todo = [j for j in cpu_jobs + gpu_jobs if not _up_to_date(j, max(headers))]
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         for job, seconds in zip(todo, pool.map(_compile, todo), strict=True):
             if verbose:
                 print(f"  {job.source.relative_to(SOURCE_DIR)}: {seconds:.1f} s")
-    tmp = LIB_PATH.with_suffix(f".tmp{os.getpid()}.so")
-    objects = [str(j.output) for j in compile_jobs]
-    _run([cxx, "-shared", "-o", str(tmp), *objects, *link_flags], "linking")
-    os.replace(tmp, LIB_PATH)
-    where = "CPU + CUDA (sm_" + ", sm_".join(CUDA_ARCHS) + f"; nvcc {nvcc})" if nvcc else "CPU"
-    reason = "" if nvcc or cpu_only else " (nvcc not found; set CUDA_HOME for the CUDA kernels)"
+    info_path = out_dir / INFO_NAME
+    info_path.unlink(missing_ok=True)  # the loader refuses a library without matching info
+    _link(cxx, cpu_jobs, tf_link, out_dir / LIB_NAME)
+    gpu_lib = out_dir / GPU_LIB_NAME
+    if nvcc:
+        runtime = [
+            f"-L{cuda_library_dir(nvcc.path)}",
+            "-lcudart_static",
+            "-ldl",
+            "-lrt",
+            "-lpthread",
+        ]
+        _link(cxx, gpu_jobs, [*tf_link, *runtime], gpu_lib)
+    else:
+        gpu_lib.unlink(missing_ok=True)
+    info = {
+        "tensorflow": tf_version,
+        "cuda": nvcc.version if nvcc else None,
+        "nvcc": str(nvcc.path) if nvcc else None,
+        "cuda_archs": list(cuda_archs(nvcc)) if nvcc else [],
+        "cuda_reason": why,
+    }
+    info_path.write_text(json.dumps(info, indent=1) + "\n")
+    what = f"CPU + CUDA {nvcc.version} ({why}; nvcc {nvcc.path})" if nvcc else f"CPU ({why})"
     print(
-        f"built {LIB_PATH} [{where}]{reason}: {len(todo)} of {len(compile_jobs)} objects "
-        f"compiled in {time.monotonic() - start:.0f} s"
+        f"built {out_dir / LIB_NAME} for TensorFlow {tf_version} [{what}]: {len(todo)} of "
+        f"{len(cpu_jobs) + len(gpu_jobs)} objects compiled in {time.monotonic() - start:.0f} s"
     )
-    return LIB_PATH
+    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,121 @@
+"""Loads the compiled libraries: the ops with their CPU kernels, then the GPU kernels when this
+machine can run them.
+
+A library is used only when its ``build_info.json`` names the running TensorFlow version (an op
+library must be built against the TensorFlow it is loaded into). The GPU kernels live in a
+library of their own so that they can be left unregistered: when the NVIDIA driver is too old
+for the CUDA version they were built with, or a GPU's architecture is not in them, a warning
+says so once and TensorFlow places the ops on the CPU kernels instead of failing every step.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import tensorflow as tf
+
+from tf_sparsify.ops import gpu
+from tf_sparsify.ops.paths import GPU_LIB_NAME, INFO_NAME, LIB_NAME, search_dirs
+
+OP_NAMES = ("TopKErrorFeedback", "QSGDQuantize", "QSGDDequantize")
+
+
+@dataclass(frozen=True)
+class Library:
+    """What loading found: the op module (None when not loaded) and why not."""
+
+    module: ModuleType | None
+    reason: str | None
+    directory: Path | None = None
+    build: dict[str, Any] | None = None
+    gpu_loaded: bool = False
+    gpu_reason: str | None = None
+    driver: int | None = None
+
+
+def read_build_info(directory: Path) -> dict[str, Any] | None:
+    """``build_info.json`` of ``directory``, None when missing or unreadable."""
+    try:
+        return json.loads((directory / INFO_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def find(tf_version: str) -> tuple[Path | None, dict[str, Any] | None, str]:
+    """The first folder holding a library built for ``tf_version``, its build info, and (when
+    none) why not."""
+    problems = []
+    for directory in search_dirs(tf_version):
+        if not (directory / LIB_NAME).is_file():
+            continue
+        info = read_build_info(directory)
+        built_for = info.get("tensorflow") if info else None
+        if built_for == tf_version:
+            return directory, info, ""
+        problems.append(
+            f"{directory / LIB_NAME} was built for TensorFlow {built_for or '(unknown)'}, "
+            f"this is {tf_version}"
+        )
+    where = " or ".join(str(d) for d in search_dirs(tf_version))
+    reason = "; ".join(problems) or f"no {LIB_NAME} in {where}"
+    return None, None, f"{reason}; run `python -m tf_sparsify.ops.build`"
+
+
+def _gpu_capabilities() -> list[tuple[int, int]]:
+    found = []
+    for device in tf.config.list_physical_devices("GPU"):
+        cc = tf.config.experimental.get_device_details(device).get("compute_capability")
+        if cc:
+            found.append((int(cc[0]), int(cc[1])))
+    return found
+
+
+def load_gpu_kernels(
+    directory: Path, build: dict[str, Any], driver: int | None
+) -> tuple[bool, str | None]:
+    """Registers the GPU kernels when they can run with ``driver`` (the driver's CUDA version,
+    None without a driver): ``(loaded, why not)``. Warns when a driver is present but cannot run
+    them (once: the library is loaded once per process)."""
+    if not build.get("cuda"):
+        return False, f"not built: {build.get('cuda_reason') or 'no CUDA build'}"
+    path = directory / GPU_LIB_NAME
+    if not path.is_file():
+        return False, f"{path} not found"
+    capabilities = _gpu_capabilities() if driver is not None else []
+    problem = gpu.gpu_kernels_problem(build["cuda"], build["cuda_archs"], driver, capabilities)
+    if problem is None:
+        try:
+            tf.load_op_library(str(path))
+        except (tf.errors.OpError, OSError) as err:
+            problem = f"cannot load {path}: {err}"
+    if problem is None:
+        return True, None
+    if driver is not None:
+        warnings.warn(
+            f"tf_sparsify: GPU kernels not used ({problem}); the ops run their CPU kernels",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return False, problem
+
+
+def load() -> Library:
+    """Loads the libraries built for the running TensorFlow (see the module docstring)."""
+    directory, build, reason = find(tf.__version__)
+    if directory is None or build is None:
+        return Library(None, reason)
+    path = directory / LIB_NAME
+    try:
+        module = tf.load_op_library(str(path))
+    except (tf.errors.OpError, OSError) as err:
+        return Library(None, f"cannot load {path}: {err}", directory, build)
+    for name in OP_NAMES:
+        tf.no_gradient(name)
+    driver = gpu.driver_cuda_version()
+    loaded, why = load_gpu_kernels(directory, build, driver)
+    return Library(module, None, directory, build, loaded, why, driver)
