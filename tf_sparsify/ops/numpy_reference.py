@@ -1,11 +1,12 @@
 """NumPy model of the custom ops, independent of TensorFlow (the GPU check loads it by path).
 
 Arrays are raw IEEE bit patterns (uint16 for float16 and bfloat16, uint32, uint64) plus a
-``kind`` naming the float type, so bfloat16 needs no NumPy support. ``flush=True`` models
-TensorFlow's CPU threads, which run with denormals-are-zero and flush-to-zero: float32,
-float64 and bfloat16 (computed in float32) arithmetic sees denormal inputs as zero and flushes
-denormal results; float16 arithmetic (computed in float32, where its denormals are normal) is
-unaffected.
+``kind`` naming the float type, so bfloat16 needs no NumPy support. It follows the ops'
+denormal policy (see :mod:`tf_sparsify.ops`), which is that of TensorFlow's CPU threads
+(x86 DAZ and FTZ): float32, float64 and bfloat16 (computed in float32) arithmetic sees denormal
+inputs as zero and flushes results that, rounded with an unbounded exponent, are below the
+smallest normal; float16 arithmetic (computed in float32, where its denormals are normal) is
+unaffected. QSGD saturates as the ops do.
 """
 
 from __future__ import annotations
@@ -15,14 +16,26 @@ import numpy as np
 KINDS = ("float16", "bfloat16", "float32", "float64")
 BITS = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.uint32, "float64": np.uint64}
 _SIGN_MASK = {"float16": 0x7FFF, "bfloat16": 0x7FFF, "float32": 0x7FFFFFFF}
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)
+# Exact results below this magnitude round (unbounded exponent) below F32_TINY: flushed.
+F32_FLUSH_BELOW = F32_TINY * (1 - 2.0**-25)
+OUTPUT_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 
 
-def _flush(x: np.ndarray, on: bool) -> np.ndarray:
-    """Denormals of a float32/float64 array replaced by signed zeros when ``on``."""
-    if not on:
-        return x
+def _flush(x: np.ndarray) -> np.ndarray:
+    """Denormals of a float32/float64 array replaced by zeros of the same sign."""
     tiny = np.finfo(x.dtype).tiny
     return np.where(np.abs(x) < tiny, np.copysign(np.zeros_like(x), x), x)
+
+
+def divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """float32 ``a / b`` (normal or zero operands, ``b > 0``), flushed by the FTZ rule."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        q = (a / b).astype(np.float32)
+        exact_below = np.abs(a.astype(np.float64)) < b.astype(np.float64) * F32_FLUSH_BELOW
+    small = (np.abs(q) < F32_TINY) | ((np.abs(q) == F32_TINY) & exact_below)
+    return np.where(small, np.copysign(np.float32(0), q), q)
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -50,6 +63,18 @@ def to_f32(bits: np.ndarray, kind: str) -> np.ndarray:
         return bits.view(np.float64).astype(np.float32)
 
 
+def qsgd_input(bits: np.ndarray, kind: str) -> np.ndarray:
+    """QSGD's float32 view of the input: denormals flushed, finite values beyond float32's
+    range saturated, float64 rounded by the FTZ rule."""
+    if kind == "float16":
+        return to_f32(bits, kind)
+    if kind != "float64":
+        return _flush(to_f32(bits, kind))
+    d = bits.view(np.float64)
+    clipped = np.where(np.isfinite(d), np.clip(d, -F32_MAX, F32_MAX), d).astype(np.float32)
+    return np.where(np.abs(d) < F32_FLUSH_BELOW, np.copysign(np.float32(0), clipped), clipped)
+
+
 def from_f32(x: np.ndarray, kind: str) -> np.ndarray:
     """float32 values to bit patterns of ``kind`` (round to nearest even)."""
     if kind == "bfloat16":
@@ -61,15 +86,18 @@ def from_f32(x: np.ndarray, kind: str) -> np.ndarray:
     return x.astype(np.float64).view(np.uint64)
 
 
-def add(a: np.ndarray, b: np.ndarray, kind: str, flush: bool = False) -> np.ndarray:
-    """``a + b`` in ``kind``, correctly rounded (16-bit kinds add in float32, then round)."""
+def add(a: np.ndarray, b: np.ndarray, kind: str) -> np.ndarray:
+    """``a + b`` in ``kind``, correctly rounded (16-bit kinds add in float32, then round).
+
+    Sums of normal numbers are exact when they are denormal, so flushing after the add is
+    the FTZ rule here."""
     if kind == "bfloat16":
-        s = _flush(_flush(bf16_to_f32(a), flush) + _flush(bf16_to_f32(b), flush), flush)
-        return f32_to_bf16(s)
+        return f32_to_bf16(_flush(_flush(bf16_to_f32(a)) + _flush(bf16_to_f32(b))))
     if kind == "float16":
         return (a.view(np.float16) + b.view(np.float16)).view(np.uint16)
     ftype = np.float32 if kind == "float32" else np.float64
-    s = _flush(_flush(a.view(ftype), flush) + _flush(b.view(ftype), flush), flush)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = _flush(_flush(a.view(ftype)) + _flush(b.view(ftype)))
     return s.view(BITS[kind])
 
 
@@ -92,10 +120,10 @@ def topk_select(keys: np.ndarray, k: int) -> np.ndarray:
 
 
 def topk_error_feedback(
-    grad: np.ndarray, residual: np.ndarray, k: int, kind: str, flush: bool = False
+    grad: np.ndarray, residual: np.ndarray, k: int, kind: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(values, indices, new_residual)`` as bit patterns (indices int64), flat."""
-    acc = add(grad.ravel(), residual.ravel(), kind, flush)
+    acc = add(grad.ravel(), residual.ravel(), kind)
     indices = topk_select(magnitude_keys(acc, kind), k)
     new = acc.copy()
     new[indices] = 0
@@ -120,42 +148,49 @@ def hash_uniform(seed: int, n: int) -> np.ndarray:
     return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
 
 
+def effective_bucket(n: int, bucket_size: int) -> int:
+    """Bucket length: ``min(bucket_size, n)``, the whole tensor for 0 (at least 1)."""
+    return max(n, 1) if bucket_size == 0 else max(min(bucket_size, n), 1)
+
+
 def num_buckets(n: int, bucket_size: int) -> int:
-    """Number of QSGD buckets (one for the whole tensor when bucket_size is 0)."""
-    b = bucket_size if bucket_size > 0 else max(n, 1)
-    return -(-n // b)
+    """Number of QSGD buckets (one for the whole tensor when bucket_size is 0 or >= n)."""
+    return -(-n // effective_bucket(n, bucket_size))
 
 
 def _buckets(x: np.ndarray, bucket_size: int) -> np.ndarray:
     n = x.size
-    b = bucket_size if bucket_size > 0 else max(n, 1)
+    b = effective_bucket(n, bucket_size)
     padded = np.zeros(num_buckets(n, bucket_size) * b, x.dtype)
     padded[:n] = x
     return padded.reshape(-1, b)
 
 
 def bucket_norms(x32: np.ndarray, bucket_size: int) -> np.ndarray:
-    """float32 norms: float64 squares, zero-padded to a power of two, added in adjacent pairs."""
+    """float32 norms: float64 squares, zero-padded to a power of two, added in adjacent pairs;
+    a finite norm above float32's max saturates."""
     buckets = _buckets(x32, bucket_size).astype(np.float64)
     width = 1 << max(buckets.shape[1] - 1, 0).bit_length()
     s = np.zeros((buckets.shape[0], width))
-    s[:, : buckets.shape[1]] = buckets * buckets
-    while s.shape[1] > 1:
-        s = s[:, 0::2] + s[:, 1::2]
-    return np.sqrt(s[:, 0]).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s[:, : buckets.shape[1]] = buckets * buckets
+        while s.shape[1] > 1:
+            s = s[:, 0::2] + s[:, 1::2]
+    norms = np.sqrt(s[:, 0])
+    return np.where(np.isfinite(norms), np.minimum(norms, F32_MAX), norms).astype(np.float32)
 
 
 def qsgd_quantize(
-    bits: np.ndarray, kind: str, levels: int, bucket_size: int, seed: int, flush: bool = False
+    bits: np.ndarray, kind: str, levels: int, bucket_size: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(signed_levels, norms)``: int8 levels for ``levels <= 127`` else int16, flat."""
-    x = _flush(to_f32(bits.ravel(), kind), flush)
+    x = qsgd_input(bits.ravel(), kind)
     n = x.size
     norms = bucket_norms(x, bucket_size)
     safe = np.where(norms > 0, norms, np.float32(1))
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        ratio = _flush(np.abs(_buckets(x, bucket_size)) / safe[:, None], flush)
-        ratio = _flush(ratio * np.float32(levels), flush).ravel()[:n]
+        ratio = divide(np.abs(_buckets(x, bucket_size)), safe[:, None])
+        ratio = (ratio * np.float32(levels)).ravel()[:n]
         floor = np.floor(ratio)
         up = (hash_uniform(seed, n) < ratio - floor).astype(np.float32)
         level = np.minimum(floor + up, np.float32(levels))
@@ -165,17 +200,15 @@ def qsgd_quantize(
 
 
 def qsgd_dequantize(
-    signed_levels: np.ndarray,
-    norms: np.ndarray,
-    levels: int,
-    bucket_size: int,
-    kind: str,
-    flush: bool = False,
+    signed_levels: np.ndarray, norms: np.ndarray, levels: int, bucket_size: int, kind: str
 ) -> np.ndarray:
-    """Bit patterns of ``kind``: ``signed_level * (norm / levels)`` in float32, then rounded."""
+    """Bit patterns of ``kind``: ``signed_level * (norm / levels)`` in float32, clamped to the
+    largest finite magnitude of ``kind``, then rounded."""
     q = signed_levels.ravel().astype(np.float32)
     n = q.size
-    scale = _flush(norms.astype(np.float32) / np.float32(levels), flush)
-    with np.errstate(invalid="ignore"):
-        out = _flush(_buckets(q, bucket_size) * scale[:, None], flush).ravel()[:n]
-    return from_f32(out, kind)
+    scale = divide(_flush(norms.astype(np.float32)), np.full(norms.size, levels, np.float32))
+    top = np.float32(OUTPUT_MAX.get(kind, F32_MAX))
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = (_buckets(q, bucket_size) * scale[:, None]).ravel()[:n]
+    clamped = np.where(out > top, top, np.where(out < -top, -top, out))
+    return from_f32(clamped, kind)

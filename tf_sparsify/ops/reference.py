@@ -8,15 +8,19 @@ These define the semantics the compiled kernels must reproduce bit for bit:
   ``indices`` are returned in ascending order, ``values = acc[indices]``, ``new_residual`` is
   ``acc`` with the selected entries set to zero.
 * ``qsgd_quantize``: per bucket of ``bucket_size`` consecutive flat entries (the whole tensor
-  when ``bucket_size`` is 0), ``norm = ||x_bucket||_2`` rounded to float32, its sum of squares
-  taken in float64 in a fixed order (the bucket zero-padded to a power of two, adjacent pairs
-  added level by level) so that every implementation gets the same bits;
-  ``r = |x| / norm * levels``, ``level = floor(r) + (u < r - floor(r))`` with
-  ``u = hash_uniform(seed, flat_index)``, capped at ``levels``; the payload is
-  ``sign(x) * level`` as int8 (levels <= 127) or int16 (0 where the level is NaN), plus the
-  float32 norms.
+  when ``bucket_size`` is 0 or at least n), ``norm = ||x_bucket||_2`` rounded to float32 (at
+  most float32's max), its sum of squares taken in float64 in a fixed order (the bucket
+  zero-padded to a power of two, adjacent pairs added level by level) so that every
+  implementation gets the same bits; ``r = |x| / norm * levels``,
+  ``level = floor(r) + (u < r - floor(r))`` with ``u = hash_uniform(seed, flat_index)``,
+  capped at ``levels``; the payload is ``sign(x) * level`` as int8 (levels <= 127) or int16
+  (0 where the level is NaN), plus the float32 norms.
 * ``hash_uniform``: a counter-based uniform in [0, 1) shared with the kernels, so the compiled
   QSGD and this reference give identical payloads for the same seed.
+
+Denormals (see :mod:`tf_sparsify.ops`): float32/float64 arithmetic reads denormals as zero and
+flushes denormal results. TensorFlow's CPU kernels do that in hardware; the flushes written out
+here make the reference follow the same policy on devices that keep denormals.
 """
 
 from __future__ import annotations
@@ -29,11 +33,24 @@ _MASKS = {
     tf.float32: (tf.int32, 0x7FFFFFFF),
     tf.float64: (tf.int64, 0x7FFFFFFFFFFFFFFF),
 }
+MAX_INT32_ELEMENTS = 2**31 - 1
+F32_TINY = 2.0**-126
+F32_MAX = 3.4028234663852886e38
+# Exact values whose float32 rounding with an unbounded exponent is below F32_TINY lie below
+# this bound; they flush to zero (x86's FTZ rule).
+F32_FLUSH_BELOW = F32_TINY * (1 - 2.0**-25)
+# Largest finite magnitude of each output dtype, as float32.
+OUTPUT_MAX = {
+    tf.float16: 65504.0,
+    tf.bfloat16: 3.3895313892515355e38,
+    tf.float32: F32_MAX,
+    tf.float64: F32_MAX,
+}
 
 
-def index_dtype(num_elements: int) -> tf.DType:
-    """int32 indices while they fit, int64 beyond."""
-    return tf.int32 if num_elements < 2**31 else tf.int64
+def index_dtype(num_elements: int | None) -> tf.DType:
+    """int32 indices while they fit (and for an unknown size), int64 beyond."""
+    return tf.int64 if num_elements is not None and num_elements > MAX_INT32_ELEMENTS else tf.int32
 
 
 def magnitude_key(x: tf.Tensor) -> tf.Tensor:
@@ -44,15 +61,63 @@ def magnitude_key(x: tf.Tensor) -> tf.Tensor:
     return tf.cast(key, tf.int32) if int_dtype == tf.int16 else key
 
 
+def flush(x: tf.Tensor) -> tf.Tensor:
+    """Denormals of a float32/float64 tensor replaced by zeros of the same sign."""
+    tiny = x.dtype.as_numpy_dtype(F32_TINY if x.dtype == tf.float32 else 2.0**-1022)
+    return tf.where(tf.abs(x) < tiny, x * 0, x)
+
+
+def add(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """``a + b`` under the denormal policy (16-bit types add in float32, then round)."""
+    if a.dtype == tf.float16:
+        return a + b
+    if a.dtype == tf.bfloat16:
+        s = flush(flush(tf.cast(a, tf.float32)) + flush(tf.cast(b, tf.float32)))
+        return tf.cast(s, tf.bfloat16)
+    return flush(flush(a) + flush(b))
+
+
+def divide(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """float32 ``a / b`` (normal or zero operands, ``b > 0``) whose result is flushed by the
+    FTZ rule: when its exact value is below ``F32_FLUSH_BELOW`` in magnitude."""
+    q = a / b
+    exact_below = tf.abs(tf.cast(a, tf.float64)) < tf.cast(b, tf.float64) * F32_FLUSH_BELOW
+    small = (tf.abs(q) < F32_TINY) | ((tf.abs(q) == F32_TINY) & exact_below)
+    return tf.where(small, q * 0, q)
+
+
+def to_float32(x: tf.Tensor) -> tf.Tensor:
+    """QSGD's input conversion: denormals flushed, finite values beyond float32's range
+    saturated to +-float32 max, float64 rounded by the FTZ rule."""
+    if x.dtype == tf.float16:
+        return tf.cast(x, tf.float32)
+    if x.dtype != tf.float64:
+        return flush(tf.cast(x, tf.float32))
+    y = tf.cast(
+        tf.where(tf.math.is_finite(x), tf.clip_by_value(x, -F32_MAX, F32_MAX), x), tf.float32
+    )
+    return tf.where(tf.abs(x) < F32_FLUSH_BELOW, y * 0, y)
+
+
 def topk_error_feedback(
-    grad: tf.Tensor, residual: tf.Tensor, k: int
+    grad: tf.Tensor, residual: tf.Tensor, k: int | tf.Tensor, index_type: tf.DType | None = None
 ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Reference for the fused op: ``(values, indices, new_residual)``."""
-    acc = grad + residual
+    acc = add(grad, residual)
     flat = tf.reshape(acc, [-1])
-    n = flat.shape[0] if flat.shape[0] is not None else tf.size(flat)
-    idx_dtype = index_dtype(int(n)) if isinstance(n, int) else tf.int64
-    _, picked = tf.math.top_k(magnitude_key(flat), k=k, sorted=True, index_type=idx_dtype)
+    index_type = index_type or index_dtype(flat.shape[0])
+    keys = magnitude_key(flat)
+    if index_type == tf.int32 and flat.shape[0] is None:
+        n = tf.size(flat, out_type=tf.int64)
+        check = tf.debugging.assert_less_equal(
+            n,
+            tf.constant(MAX_INT32_ELEMENTS, tf.int64),
+            message="TopKErrorFeedback: index_type int32 cannot index this many elements; "
+            "use index_dtype=tf.int64",
+        )
+        with tf.control_dependencies([check]):
+            keys = tf.identity(keys)
+    _, picked = tf.math.top_k(keys, k=k, sorted=True, index_type=index_type)
     indices = tf.sort(picked)
     values = tf.gather(flat, indices)
     new_flat = tf.tensor_scatter_nd_update(flat, tf.expand_dims(indices, 1), tf.zeros_like(values))
@@ -87,11 +152,17 @@ def level_dtype(levels: int) -> tf.DType:
     return tf.int8 if levels <= 127 else tf.int16
 
 
-def _bucketed(flat: tf.Tensor, bucket_size: int) -> tf.Tensor:
-    """``flat`` zero-padded to whole buckets, shape ``[num_buckets, bucket_size]``."""
-    n = tf.size(flat)
-    pad = (-n) % bucket_size
-    return tf.reshape(tf.pad(flat, [[0, pad]]), [-1, bucket_size])
+def effective_bucket(n: tf.Tensor, bucket_size: int) -> tf.Tensor:
+    """Bucket length: ``min(bucket_size, n)``, the whole tensor for 0 (at least 1); int64."""
+    n = tf.maximum(tf.cast(n, tf.int64), 1)
+    return n if bucket_size == 0 else tf.minimum(tf.constant(bucket_size, tf.int64), n)
+
+
+def _bucketed(flat: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """``flat`` zero-padded to whole buckets of ``b``, shape ``[num_buckets, b]``."""
+    n = tf.size(flat, out_type=tf.int64)
+    pad = (-n) % b
+    return tf.reshape(tf.pad(flat, [[0, pad]]), tf.stack([-1, b]))
 
 
 def _pow2_ceil(x: tf.Tensor) -> tf.Tensor:
@@ -121,22 +192,24 @@ def _pairwise_row_sums(x: tf.Tensor) -> tf.Tensor:
 
 
 def bucket_norms(buckets: tf.Tensor) -> tf.Tensor:
-    """float32 L2 norms of the rows of ``buckets`` (float32), summed in float64 pairwise."""
-    squares = tf.square(tf.cast(buckets, tf.float64))
-    return tf.cast(tf.sqrt(_pairwise_row_sums(squares)), tf.float32)
+    """float32 L2 norms of the rows of ``buckets`` (float32), summed in float64 pairwise, at
+    most float32's max when the sum is finite."""
+    norms = tf.sqrt(_pairwise_row_sums(tf.square(tf.cast(buckets, tf.float64))))
+    return tf.cast(
+        tf.where(tf.math.is_finite(norms), tf.minimum(norms, F32_MAX), norms), tf.float32
+    )
 
 
 def qsgd_quantize(
     tensor: tf.Tensor, levels: int, bucket_size: int, seed: tf.Tensor
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """Reference QSGD quantizer: ``(signed_levels, norms)``; see the module docstring."""
-    flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
+    flat = to_float32(tf.reshape(tensor, [-1]))
     n = tf.size(flat)
-    b = bucket_size if bucket_size > 0 else tf.maximum(n, 1)
-    buckets = _bucketed(flat, b)
+    buckets = _bucketed(flat, effective_bucket(n, bucket_size))
     norms = bucket_norms(buckets)
     safe = tf.where(norms > 0, norms, tf.ones_like(norms))
-    ratio = tf.abs(buckets) / safe[:, None] * float(levels)
+    ratio = divide(tf.abs(buckets), safe[:, None]) * float(levels)
     ratio = tf.reshape(ratio, [-1])[:n]
     floor = tf.floor(ratio)
     up = tf.cast(hash_uniform(seed, n) < ratio - floor, tf.float32)
@@ -155,9 +228,12 @@ def qsgd_dequantize(
     shape: tf.TensorShape | list[int],
     dtype: tf.DType,
 ) -> tf.Tensor:
-    """Reference QSGD decoder: ``norm_bucket * signed_level / levels`` in ``dtype``."""
+    """Reference QSGD decoder: ``signed_level * (norm_bucket / levels)`` in float32, clamped to
+    ``dtype``'s largest finite magnitude, then rounded to ``dtype``."""
     q = tf.cast(signed_levels, tf.float32)
     n = tf.size(q)
-    b = bucket_size if bucket_size > 0 else tf.maximum(n, 1)
-    scaled = _bucketed(q, b) * (norms[:, None] / float(levels))
-    return tf.cast(tf.reshape(tf.reshape(scaled, [-1])[:n], shape), dtype)
+    scale = divide(flush(norms), tf.constant(float(levels)))
+    scaled = _bucketed(q, effective_bucket(n, bucket_size)) * scale[:, None]
+    top = OUTPUT_MAX[tf.as_dtype(dtype)]
+    clamped = tf.where(scaled > top, top, tf.where(scaled < -top, -top, scaled))
+    return tf.cast(tf.reshape(tf.reshape(clamped, [-1])[:n], shape), dtype)

@@ -4,13 +4,18 @@
 // power of two P and float64 squares are added in a tree of adjacent pairs. One thread block
 // sums an aligned block of min(P, 4096) entries (each thread a run of L adjacent entries, then
 // a shared-memory tree over the threads, both adjacent-pair trees); when P > 4096, the block
-// sums are halved pairwise in further launches.
+// sums are halved pairwise in further launches. Units of fewer than kNormThreads threads share
+// a thread block, so every block has kNormThreads threads, and all loops are grid-stride with
+// grids from the occupancy API. Bucket lengths are not powers of two in general: per-element
+// bucket numbers are stepped incrementally (two 64-bit divisions per thread, not per element).
+// Inputs go through QsgdInput (denormals flushed, saturation; see tfs_common.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "launch.cuh"
 #include "tfs_common.h"
 #include "tfs_cuda.h"
 
@@ -27,34 +32,43 @@ struct Elem;
 template <>
 struct Elem<TFS_F16> {
   using Type = __half;
+  static constexpr float kMax = kHalfMax;
   static __device__ __forceinline__ float ToFloat(Type v) { return __half2float(v); }
   static __device__ __forceinline__ Type FromFloat(float v) { return __float2half_rn(v); }
 };
 template <>
 struct Elem<TFS_BF16> {
   using Type = __nv_bfloat16;
-  static __device__ __forceinline__ float ToFloat(Type v) { return __bfloat162float(v); }
+  static constexpr float kMax = kBfloat16Max;
+  static __device__ __forceinline__ float ToFloat(Type v) {
+    return QsgdInput(__bfloat162float(v));
+  }
   static __device__ __forceinline__ Type FromFloat(float v) { return __float2bfloat16_rn(v); }
 };
 template <>
 struct Elem<TFS_F32> {
   using Type = float;
-  static __device__ __forceinline__ float ToFloat(Type v) { return v; }
+  static constexpr float kMax = FLT_MAX;
+  static __device__ __forceinline__ float ToFloat(Type v) { return QsgdInput(v); }
   static __device__ __forceinline__ Type FromFloat(float v) { return v; }
 };
 template <>
 struct Elem<TFS_F64> {
   using Type = double;
-  static __device__ __forceinline__ float ToFloat(Type v) { return __double2float_rn(v); }
+  static constexpr float kMax = FLT_MAX;
+  static __device__ __forceinline__ float ToFloat(Type v) { return QsgdInput(v); }
   static __device__ __forceinline__ Type FromFloat(float v) { return static_cast<double>(v); }
 };
 
 // Geometry shared by the workspace query and the launch.
 struct Plan {
-  int64_t bucket;      // effective bucket length
+  int64_t bucket;      // effective bucket length, min(bucket_size, n)
   int64_t buckets;     // number of buckets
-  int64_t block;       // entries summed by one thread block (power of two)
-  int64_t per_bucket;  // blocks per padded bucket (power of two)
+  int64_t block;       // entries summed by one unit (power of two)
+  int64_t per_bucket;  // units per padded bucket (power of two)
+  int log2_block;
+  int log2_per_bucket;
+  int64_t units;  // buckets * per_bucket
 };
 
 Plan MakePlan(int64_t n, int64_t bucket_size) {
@@ -64,64 +78,74 @@ Plan MakePlan(int64_t n, int64_t bucket_size) {
   const int64_t width = Pow2Ceil(p.bucket);
   p.block = width < kNormBlock ? width : kNormBlock;
   p.per_bucket = width / p.block;
+  p.log2_block = Log2(p.block);
+  p.log2_per_bucket = Log2(p.per_bucket);
+  p.units = p.buckets * p.per_bucket;
   return p;
 }
 
 size_t RoundUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-size_t SumsBytes(const Plan& p) {
-  return RoundUp(static_cast<size_t>(p.buckets * p.per_bucket) * sizeof(double));
-}
+size_t SumsBytes(const Plan& p) { return RoundUp(static_cast<size_t>(p.units) * sizeof(double)); }
 
-// One block per (bucket, block of `block` padded entries); kL adjacent entries per thread.
+// One unit per (bucket, aligned block of `block` padded entries), summed by a group of
+// 2^log2_threads threads holding kL adjacent entries each; kNormThreads / group size groups per
+// thread block, grid-stride over units.
 template <int Dtype, int kL>
 __global__ void __launch_bounds__(kNormThreads)
     BlockSumsKernel(const typename Elem<Dtype>::Type* __restrict__ x, int64_t n, Plan plan,
-                    int threads, double* __restrict__ sums) {
+                    int log2_threads, double* __restrict__ sums) {
   __shared__ double sh[kNormThreads];
-  const int64_t unit = blockIdx.x;
-  const int64_t j = unit / plan.per_bucket;
-  const int64_t start = j * plan.bucket + (unit % plan.per_bucket) * plan.block;
-  const int64_t bucket_end = (j + 1) * plan.bucket < n ? (j + 1) * plan.bucket : n;
-  double v[kL];
+  const int threads = 1 << log2_threads;
+  const int groups = kNormThreads >> log2_threads;
+  const int group = static_cast<int>(threadIdx.x) >> log2_threads;
+  const int t = static_cast<int>(threadIdx.x) & (threads - 1);
+  double* mine = sh + group * threads;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * groups; first < plan.units;
+       first += static_cast<int64_t>(gridDim.x) * groups) {
+    const int64_t unit = first + group;
+    double v[kL];
 #pragma unroll
-  for (int e = 0; e < kL; ++e) {
-    const int64_t i = start + static_cast<int64_t>(threadIdx.x) * kL + e;
-    if (i < bucket_end) {
-      const double d = static_cast<double>(Elem<Dtype>::ToFloat(x[i]));
-      v[e] = __dmul_rn(d, d);
-    } else {
-      v[e] = 0.0;
+    for (int e = 0; e < kL; ++e) v[e] = 0.0;
+    if (unit < plan.units) {
+      const int64_t j = unit >> plan.log2_per_bucket;
+      const int64_t start = j * plan.bucket + ((unit & (plan.per_bucket - 1)) << plan.log2_block);
+      const int64_t bucket_end = (j + 1) * plan.bucket < n ? (j + 1) * plan.bucket : n;
+#pragma unroll
+      for (int e = 0; e < kL; ++e) {
+        const int64_t i = start + static_cast<int64_t>(t) * kL + e;
+        if (i < bucket_end) {
+          const double d = static_cast<double>(Elem<Dtype>::ToFloat(x[i]));
+          v[e] = __dmul_rn(d, d);
+        }
+      }
     }
-  }
 #pragma unroll
-  for (int w = kL / 2; w >= 1; w /= 2) {
+    for (int w = kL / 2; w >= 1; w /= 2) {
 #pragma unroll
-    for (int e = 0; e < w; ++e) v[e] = __dadd_rn(v[2 * e], v[2 * e + 1]);
-  }
-  sh[threadIdx.x] = v[0];
-  __syncthreads();
-  for (int w = threads / 2; w >= 1; w /= 2) {
-    double s = 0.0;
-    if (threadIdx.x < w) s = __dadd_rn(sh[2 * threadIdx.x], sh[2 * threadIdx.x + 1]);
+      for (int e = 0; e < w; ++e) v[e] = __dadd_rn(v[2 * e], v[2 * e + 1]);
+    }
+    mine[t] = v[0];
     __syncthreads();
-    if (threadIdx.x < w) sh[threadIdx.x] = s;
-    __syncthreads();
+    for (int w = threads / 2; w >= 1; w /= 2) {
+      double s = 0.0;
+      if (t < w) s = __dadd_rn(mine[2 * t], mine[2 * t + 1]);
+      __syncthreads();
+      if (t < w) mine[t] = s;
+      __syncthreads();
+    }
+    if (t == 0 && unit < plan.units) sums[unit] = mine[0];
+    __syncthreads();  // mine[] is rewritten by the next round
   }
-  if (threadIdx.x == 0) sums[unit] = sh[0];
 }
 
-// out[r * width/2 + t] = in[r * width + 2t] + in[r * width + 2t + 1].
+// width is a power of two, so out[o] adds in[2o] and in[2o + 1] of the same row.
 __global__ void HalveKernel(const double* __restrict__ in, double* __restrict__ out,
-                            int64_t rows, int64_t width) {
-  const int64_t half = width / 2;
-  const int64_t total = rows * half;
+                            int64_t total) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; o < total;
        o += stride) {
-    const int64_t r = o / half;
-    const int64_t t = o % half;
-    out[o] = __dadd_rn(in[r * width + 2 * t], in[r * width + 2 * t + 1]);
+    out[o] = __dadd_rn(in[2 * o], in[2 * o + 1]);
   }
 }
 
@@ -130,46 +154,71 @@ __global__ void NormsKernel(const double* __restrict__ sums, int64_t buckets,
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < buckets;
        j += stride) {
-    norms[j] = __double2float_rn(__dsqrt_rn(sums[j]));
+    norms[j] = NormFromSumOfSquares(sums[j]);
+  }
+}
+
+// Bucket number of a grid-stride loop's index, stepped without dividing per element.
+struct BucketCursor {
+  int64_t j;
+  int64_t offset;
+  int64_t dj;
+  int64_t doffset;
+  int64_t bucket;
+  __device__ BucketCursor(int64_t i, int64_t stride, int64_t bucket_len)
+      : j(i / bucket_len),
+        offset(i - j * bucket_len),
+        dj(stride / bucket_len),
+        doffset(stride - dj * bucket_len),
+        bucket(bucket_len) {}
+  __device__ __forceinline__ void Step() {
+    j += dj;
+    offset += doffset;
+    if (offset >= bucket) {
+      offset -= bucket;
+      ++j;
+    }
+  }
+};
+
+template <int Dtype, typename Q>
+__global__ void __launch_bounds__(kThreads)
+    QuantizeKernel(const typename Elem<Dtype>::Type* __restrict__ x, int64_t n, int64_t bucket,
+                   const float* __restrict__ norms, float levels, int64_t seed,
+                   Q* __restrict__ q) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  for (BucketCursor c(i, stride, bucket); i < n; i += stride, c.Step()) {
+    q[i] = static_cast<Q>(
+        QuantizeOne(Elem<Dtype>::ToFloat(x[i]), norms[c.j], levels, HashUniform(seed, i)));
   }
 }
 
 template <int Dtype, typename Q>
-__global__ void QuantizeKernel(const typename Elem<Dtype>::Type* __restrict__ x, int64_t n,
-                               int64_t bucket, const float* __restrict__ norms, float levels,
-                               int64_t seed, Q* __restrict__ q) {
+__global__ void __launch_bounds__(kThreads)
+    DequantizeKernel(const Q* __restrict__ q, int64_t n, int64_t bucket,
+                     const float* __restrict__ norms, float levels,
+                     typename Elem<Dtype>::Type* __restrict__ out) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    q[i] = static_cast<Q>(QuantizeOne(Elem<Dtype>::ToFloat(x[i]), norms[i / bucket], levels,
-                                      HashUniform(seed, i)));
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  for (BucketCursor c(i, stride, bucket); i < n; i += stride, c.Step()) {
+    const float scale = DequantizeScale(norms[c.j], levels);
+    out[i] = Elem<Dtype>::FromFloat(
+        DequantizeOne(static_cast<int>(q[i]), scale, Elem<Dtype>::kMax));
   }
-}
-
-template <int Dtype, typename Q>
-__global__ void DequantizeKernel(const Q* __restrict__ q, int64_t n, int64_t bucket,
-                                 const float* __restrict__ norms, float levels,
-                                 typename Elem<Dtype>::Type* __restrict__ out) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const float scale = DequantizeScale(norms[i / bucket], levels);
-    out[i] = Elem<Dtype>::FromFloat(DequantizeOne(static_cast<int>(q[i]), scale));
-  }
-}
-
-int GridFor(int64_t work) {
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < 1 ? 1 : (blocks < 65536 ? blocks : 65536));
 }
 
 template <int Dtype, int kL>
 void LaunchBlockSums(const void* x, int64_t n, const Plan& plan, double* sums,
                      cudaStream_t stream) {
-  const int threads = static_cast<int>(plan.block / kL);
-  BlockSumsKernel<Dtype, kL>
-      <<<static_cast<unsigned>(plan.buckets * plan.per_bucket), threads, 0, stream>>>(
-          static_cast<const typename Elem<Dtype>::Type*>(x), n, plan, threads, sums);
+  const int log2_threads = plan.log2_block - Log2(kL);
+  const int64_t groups = kNormThreads >> log2_threads;
+  const int grid = GridFor(BlockSumsKernel<Dtype, kL>, kNormThreads,
+                           (plan.units + groups - 1) / groups * kNormThreads);
+  BlockSumsKernel<Dtype, kL><<<grid, kNormThreads, 0, stream>>>(
+      static_cast<const typename Elem<Dtype>::Type*>(x), n, plan, log2_threads, sums);
 }
 
 template <int Dtype>
@@ -193,20 +242,24 @@ int Quantize(const void* x, int64_t n, int levels, int64_t bucket_size, int64_t 
     LaunchBlockSums<Dtype, 16>(x, n, plan, sums, stream);
   }
   for (int64_t width = plan.per_bucket; width > 1; width /= 2) {
-    HalveKernel<<<GridFor(plan.buckets * width / 2), kThreads, 0, stream>>>(sums, spare,
-                                                                            plan.buckets, width);
+    const int64_t total = plan.buckets * width / 2;
+    HalveKernel<<<GridFor(HalveKernel, kThreads, total), kThreads, 0, stream>>>(sums, spare,
+                                                                               total);
     double* t = sums;
     sums = spare;
     spare = t;
   }
-  NormsKernel<<<GridFor(plan.buckets), kThreads, 0, stream>>>(sums, plan.buckets, norms);
+  NormsKernel<<<GridFor(NormsKernel, kThreads, plan.buckets), kThreads, 0, stream>>>(
+      sums, plan.buckets, norms);
   using T = typename Elem<Dtype>::Type;
   const float lv = static_cast<float>(levels);
   if (levels <= 127) {
-    QuantizeKernel<Dtype, int8_t><<<GridFor(n), kThreads, 0, stream>>>(
+    QuantizeKernel<Dtype, int8_t><<<GridFor(QuantizeKernel<Dtype, int8_t>, kThreads, n),
+                                    kThreads, 0, stream>>>(
         static_cast<const T*>(x), n, plan.bucket, norms, lv, seed, static_cast<int8_t*>(q));
   } else {
-    QuantizeKernel<Dtype, int16_t><<<GridFor(n), kThreads, 0, stream>>>(
+    QuantizeKernel<Dtype, int16_t><<<GridFor(QuantizeKernel<Dtype, int16_t>, kThreads, n),
+                                     kThreads, 0, stream>>>(
         static_cast<const T*>(x), n, plan.bucket, norms, lv, seed, static_cast<int16_t*>(q));
   }
   return static_cast<int>(cudaGetLastError());
@@ -220,10 +273,12 @@ int Dequantize(const void* q, const float* norms, int64_t n, int levels, int64_t
   const int64_t bucket = EffectiveBucket(n, bucket_size);
   const float lv = static_cast<float>(levels);
   if (levels <= 127) {
-    DequantizeKernel<Dtype, int8_t><<<GridFor(n), kThreads, 0, stream>>>(
+    DequantizeKernel<Dtype, int8_t><<<GridFor(DequantizeKernel<Dtype, int8_t>, kThreads, n),
+                                      kThreads, 0, stream>>>(
         static_cast<const int8_t*>(q), n, bucket, norms, lv, static_cast<T*>(out));
   } else {
-    DequantizeKernel<Dtype, int16_t><<<GridFor(n), kThreads, 0, stream>>>(
+    DequantizeKernel<Dtype, int16_t><<<GridFor(DequantizeKernel<Dtype, int16_t>, kThreads, n),
+                                       kThreads, 0, stream>>>(
         static_cast<const int16_t*>(q), n, bucket, norms, lv, static_cast<T*>(out));
   }
   return static_cast<int>(cudaGetLastError());

@@ -11,6 +11,10 @@
 //      runs on their indices (the lowest ones win), restricted to the shrinking index range.
 //   4. cub::DeviceSelect::If compacts the selected indices in ascending order; a gather kernel
 //      writes values and indices and zeroes the selected entries of new_residual.
+// The add follows the ops' denormal policy explicitly (see tfs_common.h): float32, float64 and
+// bfloat16 (in float32) operands and sums that are denormal become signed zeros. Histogram
+// increments are aggregated per warp (real gradients, and zeros, fill few bins); grids come
+// from the occupancy API. n < 2^31: indices are int internally (cub::DeviceSelect, tie radix).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,6 +25,7 @@
 #include <cub/device/device_select.cuh>
 #include <thrust/iterator/counting_iterator.h>
 
+#include "launch.cuh"
 #include "tfs_common.h"
 #include "tfs_cuda.h"
 
@@ -45,22 +50,58 @@ struct State {
   int tie_active;
 };
 
+// NaN results of the add as TensorFlow's CPU kernels produce them (x86 SSE and F16C): a NaN
+// operand propagates, quieted (when both are NaN the CPU's choice depends on the code path, so
+// the payload is unspecified there); Inf + -Inf gives the default NaN, negative. CUDA's own
+// arithmetic returns one canonical NaN, which would rank NaNs differently.
+__device__ __forceinline__ float HostNaN(float a, float b, float s) {
+  if (s == s) return s;
+  if (a != a) return __uint_as_float(__float_as_uint(a) | 0x00400000u);
+  if (b != b) return __uint_as_float(__float_as_uint(b) | 0x00400000u);
+  return __uint_as_float(0xFFC00000u);
+}
+__device__ __forceinline__ double HostNaN(double a, double b, double s) {
+  if (s == s) return s;
+  const unsigned long long quiet = 0x0008000000000000ull;
+  if (a != a) return __longlong_as_double(__double_as_longlong(a) | quiet);
+  if (b != b) return __longlong_as_double(__double_as_longlong(b) | quiet);
+  return __longlong_as_double(static_cast<long long>(0xFFF8000000000000ull));
+}
+// float16 <-> float32 keeping NaN payloads as F16C does (quiet bit set, low bits truncated).
+__device__ __forceinline__ float HalfToFloat(uint16_t h) {
+  if ((h & 0x7C00u) == 0x7C00u && (h & 0x03FFu) != 0) {
+    return __uint_as_float((static_cast<uint32_t>(h & 0x8000u) << 16) | 0x7FC00000u |
+                           (static_cast<uint32_t>(h & 0x03FFu) << 13));
+  }
+  return __half2float(__ushort_as_half(h));
+}
+__device__ __forceinline__ uint16_t FloatToHalf(float f) {
+  if (f != f) {
+    const uint32_t u = __float_as_uint(f);
+    return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7E00u | ((u >> 13) & 0x03FFu));
+  }
+  return __half_as_ushort(__float2half_rn(f));
+}
+
 template <int Dtype>
 struct Elem;
 template <>
 struct Elem<TFS_F16> {
   using Bits = uint16_t;
   static __device__ __forceinline__ Bits Add(Bits a, Bits b) {
-    const float s = __fadd_rn(__half2float(__ushort_as_half(a)), __half2float(__ushort_as_half(b)));
-    return __half_as_ushort(__float2half_rn(s));
+    const float fa = HalfToFloat(a);
+    const float fb = HalfToFloat(b);
+    return FloatToHalf(HostNaN(fa, fb, __fadd_rn(fa, fb)));
   }
 };
 template <>
 struct Elem<TFS_BF16> {
   using Bits = uint16_t;
   static __device__ __forceinline__ Bits Add(Bits a, Bits b) {
-    const float s = __fadd_rn(__bfloat162float(__ushort_as_bfloat16(a)),
-                              __bfloat162float(__ushort_as_bfloat16(b)));
+    const float fa = FlushDenormal(__uint_as_float(static_cast<uint32_t>(a) << 16));
+    const float fb = FlushDenormal(__uint_as_float(static_cast<uint32_t>(b) << 16));
+    const float s = HostNaN(fa, fb, FlushDenormal(__fadd_rn(fa, fb)));
+    if (s != s) return (__float_as_uint(s) >> 31) ? 0xFFC0u : 0x7FC0u;  // Eigen's bfloat16 NaN
     return __bfloat16_as_ushort(__float2bfloat16_rn(s));
   }
 };
@@ -68,16 +109,18 @@ template <>
 struct Elem<TFS_F32> {
   using Bits = uint32_t;
   static __device__ __forceinline__ Bits Add(Bits a, Bits b) {
-    return __float_as_uint(__fadd_rn(__uint_as_float(a), __uint_as_float(b)));
+    const float fa = FlushDenormal(__uint_as_float(a));
+    const float fb = FlushDenormal(__uint_as_float(b));
+    return __float_as_uint(HostNaN(fa, fb, FlushDenormal(__fadd_rn(fa, fb))));
   }
 };
 template <>
 struct Elem<TFS_F64> {
   using Bits = uint64_t;
   static __device__ __forceinline__ Bits Add(Bits a, Bits b) {
-    return static_cast<Bits>(__double_as_longlong(
-        __dadd_rn(__longlong_as_double(static_cast<long long>(a)),
-                  __longlong_as_double(static_cast<long long>(b)))));
+    const double da = FlushDenormal(__longlong_as_double(static_cast<long long>(a)));
+    const double db = FlushDenormal(__longlong_as_double(static_cast<long long>(b)));
+    return static_cast<Bits>(__double_as_longlong(HostNaN(da, db, FlushDenormal(__dadd_rn(da, db)))));
   }
 };
 
@@ -121,6 +164,7 @@ __global__ void InitKernel(State* st, unsigned* hist, long long k, unsigned long
 }
 
 // acc = grad + residual (acc may alias residual); histograms key >> shift unless hist is null.
+// Loops are warp-uniform (WarpBase) for the warp-aggregated histogram.
 template <int Dtype>
 __global__ void __launch_bounds__(kThreads)
     AddHistKernel(const typename Elem<Dtype>::Bits* __restrict__ grad,
@@ -132,23 +176,33 @@ __global__ void __launch_bounds__(kThreads)
   const bool with_hist = hist != nullptr;
   if (with_hist) ClearShared(sh);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t lane = threadIdx.x & 31;
   const int64_t nvec = vectorized ? n / V::kN : 0;
-  for (int64_t v = tid; v < nvec; v += stride) {
-    const V a = reinterpret_cast<const V*>(grad)[v];
-    const V b = reinterpret_cast<const V*>(residual)[v];
+  for (int64_t base = WarpBase(); base < nvec; base += stride) {
+    const int64_t v = base + lane;
+    const bool ok = v < nvec;
     V s;
+    if (ok) {
+      const V a = reinterpret_cast<const V*>(grad)[v];
+      const V b = reinterpret_cast<const V*>(residual)[v];
 #pragma unroll
-    for (int j = 0; j < V::kN; ++j) {
-      s.v[j] = Elem<Dtype>::Add(a.v[j], b.v[j]);
-      if (with_hist) atomicAdd(sh + (KeyBits(s.v[j]) >> shift), 1u);
+      for (int j = 0; j < V::kN; ++j) s.v[j] = Elem<Dtype>::Add(a.v[j], b.v[j]);
+      reinterpret_cast<V*>(acc)[v] = s;
     }
-    reinterpret_cast<V*>(acc)[v] = s;
+    if (with_hist) {
+#pragma unroll
+      for (int j = 0; j < V::kN; ++j) WarpHistogramAdd(sh, ok ? KeyBits(s.v[j]) >> shift : 0, ok);
+    }
   }
-  for (int64_t i = nvec * V::kN + tid; i < n; i += stride) {
-    const Bits s = Elem<Dtype>::Add(grad[i], residual[i]);
-    acc[i] = s;
-    if (with_hist) atomicAdd(sh + (KeyBits(s) >> shift), 1u);
+  for (int64_t base = nvec * V::kN + WarpBase(); base < n; base += stride) {
+    const int64_t i = base + lane;
+    const bool ok = i < n;
+    Bits s = 0;
+    if (ok) {
+      s = Elem<Dtype>::Add(grad[i], residual[i]);
+      acc[i] = s;
+    }
+    if (with_hist) WarpHistogramAdd(sh, KeyBits(s) >> shift, ok);
   }
   if (with_hist) FlushShared(sh, hist);
 }
@@ -166,24 +220,31 @@ __global__ void __launch_bounds__(kThreads)
   const Bits span = static_cast<Bits>(st->hi - st->lo);
   ClearShared(sh);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t lane = threadIdx.x & 31;
   const int64_t nvec = vectorized ? n / V::kN : 0;
-  for (int64_t v = tid; v < nvec; v += stride) {
-    const V a = reinterpret_cast<const V*>(acc)[v];
+  for (int64_t base = WarpBase(); base < nvec; base += stride) {
+    const int64_t v = base + lane;
+    const bool ok = v < nvec;
+    V a{};
+    if (ok) a = reinterpret_cast<const V*>(acc)[v];
 #pragma unroll
     for (int j = 0; j < V::kN; ++j) {
       const Bits key = KeyBits(a.v[j]);
-      if (static_cast<Bits>(key - lo) <= span) atomicAdd(sh + ((key >> shift) & mask), 1u);
+      const bool in = ok && static_cast<Bits>(key - lo) <= span;
+      WarpHistogramAdd(sh, (key >> shift) & mask, in);
     }
   }
-  for (int64_t i = nvec * V::kN + tid; i < n; i += stride) {
-    const Bits key = KeyBits(acc[i]);
-    if (static_cast<Bits>(key - lo) <= span) atomicAdd(sh + ((key >> shift) & mask), 1u);
+  for (int64_t base = nvec * V::kN + WarpBase(); base < n; base += stride) {
+    const int64_t i = base + lane;
+    const bool ok = i < n;
+    const Bits key = ok ? KeyBits(acc[i]) : Bits{0};
+    WarpHistogramAdd(sh, (key >> shift) & mask, ok && static_cast<Bits>(key - lo) <= span);
   }
   FlushShared(sh, hist);
 }
 
-// Histograms digit (i >> shift) & mask of the indices of the ties inside the index band.
+// Histograms digit (i >> shift) & mask of the indices of the ties inside the index band
+// (consecutive ties share a digit: the warp aggregation matters most here).
 template <typename Bits>
 __global__ void __launch_bounds__(kThreads)
     RefineTieKernel(const Bits* __restrict__ acc, int64_t n, const State* __restrict__ st,
@@ -194,9 +255,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t end = st->ihi + 1 < n ? st->ihi + 1 : n;
   ClearShared(sh);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = st->ilo + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < end; i += stride) {
-    if (KeyBits(acc[i]) == kth) atomicAdd(sh + ((i >> shift) & mask), 1u);
+  const int64_t lane = threadIdx.x & 31;
+  for (int64_t base = st->ilo + WarpBase(); base < end; base += stride) {
+    const int64_t i = base + lane;
+    const bool tie = i < end && KeyBits(acc[i]) == kth;
+    WarpHistogramAdd(sh, static_cast<unsigned>((i >> shift) & mask), tie);
   }
   FlushShared(sh, hist);
 }
@@ -317,18 +380,6 @@ cudaError_t MakeLayout(int64_t n, int64_t k, Layout* layout) {
   return cudaSuccess;
 }
 
-int GridFor(int64_t work) {
-  int device = 0;
-  int sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    sms = 108;
-  }
-  const int64_t full = static_cast<int64_t>(sms) * (2048 / kThreads);
-  const int64_t wanted = (work + kThreads - 1) / kThreads;
-  return static_cast<int>(wanted < 1 ? 1 : (wanted < full ? wanted : full));
-}
-
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <int Dtype>
@@ -350,8 +401,9 @@ int TopK(const void* grad_p, const void* residual_p, void* acc_p, int64_t n, int
   const Bits* residual = static_cast<const Bits*>(residual_p);
   Bits* acc = static_cast<Bits*>(acc_p);
   const bool vectorized = Aligned16(grad) && Aligned16(residual) && Aligned16(acc);
-  const int grid = GridFor(n / Vec<Bits>::kN + 1);
   if (n == 0) return TFS_OK;
+  const int64_t work = n / Vec<Bits>::kN + 1;
+  const int grid = GridFor(AddHistKernel<Dtype>, kThreads, work);
   if (k == 0) {
     AddHistKernel<Dtype><<<grid, kThreads, 0, stream>>>(grad, residual, acc, n, vectorized, 0,
                                                         nullptr);
@@ -375,15 +427,16 @@ int TopK(const void* grad_p, const void* residual_p, void* acc_p, int64_t n, int
   while (shift > 0) {
     const int next = shift > kDigitBits ? shift - kDigitBits : 0;
     const int bins = 1 << (shift - next);
-    RefineKeyKernel<Bits><<<grid, kThreads, 0, stream>>>(acc, n, vectorized, st, next,
-                                                         bins - 1, hist);
+    RefineKeyKernel<Bits><<<GridFor(RefineKeyKernel<Bits>, kThreads, work), kThreads, 0,
+                            stream>>>(acc, n, vectorized, st, next, bins - 1, hist);
     FindDigitKernel<false><<<1, kFindThreads, 0, stream>>>(hist, bins, next, st);
     shift = next;
   }
   for (int bit = kIndexBits; bit > 0;) {
     const int next = bit > kDigitBits ? bit - kDigitBits : 0;
     const int bins = 1 << (bit - next);
-    RefineTieKernel<Bits><<<grid, kThreads, 0, stream>>>(acc, n, st, next, bins - 1, hist);
+    RefineTieKernel<Bits><<<GridFor(RefineTieKernel<Bits>, kThreads, n), kThreads, 0, stream>>>(
+        acc, n, st, next, bins - 1, hist);
     FindDigitKernel<true><<<1, kFindThreads, 0, stream>>>(hist, bins, next, st);
     bit = next;
   }
@@ -392,13 +445,14 @@ int TopK(const void* grad_p, const void* residual_p, void* acc_p, int64_t n, int
                               selected, count, static_cast<int>(n), IsSelected<Bits>{acc, st},
                               stream);
   if (err != cudaSuccess) return static_cast<int>(err);
-  const int gather_grid = GridFor(k);
   if (index_bytes == 4) {
-    GatherKernel<Bits, int32_t><<<gather_grid, kThreads, 0, stream>>>(
-        acc, selected, k, static_cast<Bits*>(values), static_cast<int32_t*>(indices));
+    GatherKernel<Bits, int32_t><<<GridFor(GatherKernel<Bits, int32_t>, kThreads, k), kThreads, 0,
+                                  stream>>>(acc, selected, k, static_cast<Bits*>(values),
+                                            static_cast<int32_t*>(indices));
   } else {
-    GatherKernel<Bits, int64_t><<<gather_grid, kThreads, 0, stream>>>(
-        acc, selected, k, static_cast<Bits*>(values), static_cast<int64_t*>(indices));
+    GatherKernel<Bits, int64_t><<<GridFor(GatherKernel<Bits, int64_t>, kThreads, k), kThreads, 0,
+                                  stream>>>(acc, selected, k, static_cast<Bits*>(values),
+                                            static_cast<int64_t*>(indices));
   }
   return static_cast<int>(cudaGetLastError());
 }
@@ -446,6 +500,14 @@ extern "C" int tfs_topk_error_feedback(int dtype, const void* grad, const void* 
       return TopK<TFS_F64>(grad, residual, new_residual, n, k, values, indices, index_bytes,
                            workspace, workspace_bytes, stream);
   }
+}
+
+extern "C" int tfs_cuda_versions(int* runtime, int* driver) {
+  if (runtime == nullptr || driver == nullptr) return TFS_ERR_ARG;
+  *runtime = CUDART_VERSION;
+  *driver = 0;
+  const cudaError_t err = cudaDriverGetVersion(driver);
+  return err == cudaSuccess ? TFS_OK : static_cast<int>(err);
 }
 
 extern "C" const char* tfs_error_string(int code) {

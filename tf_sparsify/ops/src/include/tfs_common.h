@@ -3,6 +3,7 @@
 #ifndef TFS_COMMON_H_
 #define TFS_COMMON_H_
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -63,19 +64,28 @@ TFS_HD float HashUniform(int64_t seed, int64_t index) {
   return static_cast<float>(static_cast<int32_t>(h >> 8)) * 5.9604644775390625e-08f;  // 2^-24
 }
 
-// QSGD geometry: one bucket of the whole tensor when bucket_size is 0.
+// QSGD geometry: buckets of min(bucket_size, n) entries, one bucket of the whole tensor when
+// bucket_size is 0 (at least 1 entry). Clamping changes no result: a bucket's zero padding
+// adds +0.0 to its sum of squares. bucket_size < 0 is rejected by the callers.
 TFS_HD int64_t EffectiveBucket(int64_t n, int64_t bucket_size) {
-  return bucket_size > 0 ? bucket_size : (n > 1 ? n : 1);
+  const int64_t whole = n > 1 ? n : 1;
+  return bucket_size > 0 && bucket_size < whole ? bucket_size : whole;
 }
 TFS_HD int64_t NumBuckets(int64_t n, int64_t bucket_size) {
   const int64_t b = EffectiveBucket(n, bucket_size);
-  return n == 0 ? 0 : (n + b - 1) / b;
+  return n <= 0 ? 0 : n / b + (n % b != 0);
 }
-// Smallest power of two >= x (x >= 1).
+// Smallest power of two >= x, for 1 <= x <= 2^62 (x is a bucket length, at most n).
 TFS_HD int64_t Pow2Ceil(int64_t x) {
   int64_t p = 1;
-  while (p < x) p <<= 1;
+  while (p < x && p < (int64_t{1} << 62)) p <<= 1;
   return p;
+}
+// Powers of two as shifts (bucket geometry without 64-bit division on the GPU).
+TFS_HD int Log2(int64_t pow2) {
+  int s = 0;
+  while ((int64_t{1} << s) < pow2) ++s;
+  return s;
 }
 
 // Correctly rounded float arithmetic that the CUDA compiler may not contract into FMAs (the host
@@ -92,12 +102,61 @@ TFS_HD int64_t Pow2Ceil(int64_t x) {
 #define TFS_FDIV(a, b) ((a) / (b))
 #endif
 
+// Denormal policy (TensorFlow's CPU, x86 DAZ + FTZ): float32/float64 arithmetic reads denormal
+// operands as zero and returns zero (sign kept) for a result that, rounded to the type's
+// precision with an unbounded exponent, is below the smallest normal. The CPU kernels get this
+// from the FPU (they run under tsl::port::ScopedFlushDenormal); the CUDA core computes with
+// denormals (IEEE) and applies the rule with the functions below.
+constexpr double kF32FlushBelow = static_cast<double>(FLT_MIN) * (1.0 - 0x1p-25);
+
+TFS_HD float FlushDenormal(float x) { return fabsf(x) < FLT_MIN ? copysignf(0.0f, x) : x; }
+TFS_HD double FlushDenormal(double x) { return fabs(x) < DBL_MIN ? copysign(0.0, x) : x; }
+
+// a / b for normal or zero a and b > 0, flushed by the rule: a result of exactly FLT_MIN is
+// flushed when the exact quotient is below kF32FlushBelow (b * kF32FlushBelow is exact in
+// float64: 24 + 25 significant bits).
+TFS_HD float DivideFtz(float a, float b) {
+  const float q = TFS_FDIV(a, b);
+  const float m = fabsf(q);
+  const bool small =
+      m < FLT_MIN || (m == FLT_MIN && fabs(static_cast<double>(a)) <
+                                          static_cast<double>(b) * kF32FlushBelow);
+  return small ? copysignf(0.0f, q) : q;
+}
+
+#if defined(__CUDA_ARCH__)
+#define TFS_DAZ(x) ::tfs::FlushDenormal(x)
+#define TFS_FDIV_FTZ(a, b) ::tfs::DivideFtz(a, b)
+#else
+#define TFS_DAZ(x) (x)
+#define TFS_FDIV_FTZ(a, b) ((a) / (b))
+#endif
+
+// QSGD's float32 view of an input: denormals flushed, finite values beyond float32's range
+// saturated to +-FLT_MAX, float64 rounded by the flush rule. float16 values convert exactly.
+TFS_HD float QsgdInput(float x) { return FlushDenormal(x); }
+TFS_HD float QsgdInput(double x) {
+  constexpr double kMax = FLT_MAX;
+  const double clamped = x > kMax ? kMax : (x < -kMax ? -kMax : x);
+  const double clipped = fabs(x) <= DBL_MAX ? clamped : x;
+  const float f = static_cast<float>(clipped);
+  return fabs(x) < kF32FlushBelow ? copysignf(0.0f, f) : f;
+}
+
+// A bucket norm from its float64 sum of squares: finite norms above FLT_MAX saturate.
+TFS_HD float NormFromSumOfSquares(double sum) {
+  const double norm = sqrt(sum);
+  return static_cast<float>(norm > static_cast<double>(FLT_MAX) && norm <= DBL_MAX
+                                ? static_cast<double>(FLT_MAX)
+                                : norm);
+}
+
 // One QSGD level: r = |x| / norm * levels (norm 1 when it is not > 0), floor(r) rounded up with
 // probability frac(r), capped at levels, signed like x; NaN levels (NaN input, Inf / Inf) give 0.
-// Written with selects only, so that loops over it vectorize.
+// x is a QsgdInput. Written with selects only, so that loops over it vectorize.
 TFS_HD int QuantizeOne(float x, float norm, float levels, float u) {
   const float safe = norm > 0.0f ? norm : 1.0f;
-  const float r = TFS_FMUL(TFS_FDIV(fabsf(x), safe), levels);
+  const float r = TFS_FMUL(TFS_FDIV_FTZ(fabsf(x), safe), levels);
   const float fl = floorf(r);
   const float level = TFS_FADD(fl, (u < TFS_FSUB(r, fl)) ? 1.0f : 0.0f);
   const float capped = level < levels ? level : levels;
@@ -106,10 +165,18 @@ TFS_HD int QuantizeOne(float x, float norm, float levels, float u) {
 }
 
 // Scale of one QSGD bucket in the decoder: norm / levels.
-TFS_HD float DequantizeScale(float norm, float levels) { return TFS_FDIV(norm, levels); }
-TFS_HD float DequantizeOne(int q, float scale) {
-  return TFS_FMUL(static_cast<float>(q), scale);
+TFS_HD float DequantizeScale(float norm, float levels) {
+  return TFS_FDIV_FTZ(TFS_DAZ(norm), levels);
 }
+// q * scale clamped to +-top, the output type's largest finite magnitude (NaN stays NaN).
+TFS_HD float DequantizeOne(int q, float scale, float top) {
+  const float v = TFS_FMUL(static_cast<float>(q), scale);
+  return v > top ? top : (v < -top ? -top : v);
+}
+// Largest finite magnitudes of the QSGD output types, as float32 (float64 output is computed
+// in float32).
+constexpr float kHalfMax = 65504.0f;
+constexpr float kBfloat16Max = 0x1.FEp+127f;
 
 }  // namespace tfs
 

@@ -52,7 +52,9 @@ class TopKErrorFeedbackGpuOp : public OpKernel {
     const int64_t n = grad.NumElements();
     OP_REQUIRES(ctx, n < (int64_t{1} << 31),
                 absl::InvalidArgumentError(absl::StrCat(
-                    "TopKErrorFeedback on GPU supports fewer than 2^31 elements, got ", n)));
+                    "TopKErrorFeedback on GPU supports fewer than 2^31 elements, got ", n,
+                    "; place the op on the CPU (tf_sparsify.ops.topk_error_feedback does so "
+                    "for tensors of known size)")));
     TopKOutputs out;
     OP_REQUIRES_OK(ctx, PrepareTopK(ctx, DataTypeToEnum<Index>::value, &out));
     const int64_t k = out.k;

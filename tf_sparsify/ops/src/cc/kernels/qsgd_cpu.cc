@@ -4,16 +4,20 @@
 // power of two P and squares (float64) are added in a tree of adjacent pairs. The tree is cut
 // into aligned blocks of kNormBlock entries, summed in parallel, then combined in the same
 // tree; zero padding is skipped since adding +0.0 to a sum of squares changes nothing.
+//
+// Everything runs under DAZ/FTZ (ScopedFlushDenormal), the ops' denormal policy.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/denormal.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "tfs_common.h"
@@ -26,9 +30,19 @@ namespace {
 constexpr int64_t kNormBlock = 4096;
 constexpr int kLeaf = 32;
 
+// QSGD's float32 view of an input (tfs::QsgdInput).
+template <typename T>
+inline float Input(T v) {
+  if constexpr (std::is_same_v<T, double>) {
+    return tfs::QsgdInput(v);
+  } else {
+    return tfs::QsgdInput(static_cast<float>(v));
+  }
+}
+
 template <typename T>
 inline double Square(T v) {
-  const double d = static_cast<double>(static_cast<float>(v));
+  const double d = static_cast<double>(Input(v));
   return d * d;
 }
 
@@ -48,11 +62,14 @@ double TreeSumOfSquares(const T* x, int64_t len, int64_t width) {
   return TreeSumOfSquares(x, half, half) + TreeSumOfSquares(x + half, len - half, half);
 }
 
-// Runs fn over [0, total) in parallel shards of about `cost` cycles per unit.
+// Runs fn over [0, total) in parallel shards of about `cost` cycles per unit, under DAZ/FTZ.
 void Parallel(OpKernelContext* ctx, int64_t total, int64_t cost,
               const std::function<void(int64_t, int64_t)>& fn) {
   const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-  Shard(workers->num_threads, workers->workers, total, cost, fn);
+  Shard(workers->num_threads, workers->workers, total, cost, [&fn](int64_t begin, int64_t end) {
+    port::ScopedFlushDenormal flush;
+    fn(begin, end);
+  });
 }
 
 template <typename T>
@@ -76,7 +93,7 @@ void BucketNorms(OpKernelContext* ctx, const T* x, int64_t n, int64_t bucket_siz
     for (int64_t w = per_bucket / 2; w >= 1; w /= 2) {
       for (int64_t t = 0; t < w; ++t) s[t] = s[2 * t] + s[2 * t + 1];
     }
-    norms[j] = static_cast<float>(std::sqrt(s[0]));
+    norms[j] = tfs::NormFromSumOfSquares(s[0]);
   }
 }
 
@@ -87,8 +104,7 @@ __attribute__((target_clones("avx2", "default"))) void QuantizeRun(const T* __re
   const uint32_t base = static_cast<uint32_t>(first);
   for (int64_t j = 0; j < len; ++j) {
     const uint32_t index = base + static_cast<uint32_t>(j);
-    q[j] = static_cast<Q>(
-        tfs::QuantizeOne(static_cast<float>(x[j]), norm, levels, tfs::HashUniform(seed, index)));
+    q[j] = static_cast<Q>(tfs::QuantizeOne(Input(x[j]), norm, levels, tfs::HashUniform(seed, index)));
   }
 }
 
@@ -99,6 +115,7 @@ class QsgdQuantizeCpuOp : public QsgdOpKernel {
       : QsgdOpKernel(ctx, "QSGDQuantize", DataTypeToEnum<Q>::value) {}
 
   void Compute(OpKernelContext* ctx) override {
+    port::ScopedFlushDenormal flush;
     const Tensor& input = ctx->input(0);
     const Tensor& seed_t = ctx->input(1);
     OP_REQUIRES_OK(ctx, ValidateQsgdSeed(seed_t));
@@ -135,6 +152,7 @@ class QsgdDequantizeCpuOp : public QsgdOpKernel {
       : QsgdOpKernel(ctx, "QSGDDequantize", DataTypeToEnum<Q>::value) {}
 
   void Compute(OpKernelContext* ctx) override {
+    port::ScopedFlushDenormal flush;
     const Tensor& levels_in = ctx->input(0);
     const Tensor& norms_in = ctx->input(1);
     TensorShape shape;
@@ -149,12 +167,15 @@ class QsgdDequantizeCpuOp : public QsgdOpKernel {
     T* out = out_t->flat<T>().data();
     const int64_t b = tfs::EffectiveBucket(n, bucket_size_);
     const float levels = static_cast<float>(levels_);
+    const float top = std::is_same_v<T, Eigen::half>       ? tfs::kHalfMax
+                      : std::is_same_v<T, Eigen::bfloat16> ? tfs::kBfloat16Max
+                                                           : FLT_MAX;
     Parallel(ctx, n, 5, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end;) {
         const int64_t j = i / b;
         const int64_t stop = std::min(end, (j + 1) * b);
         const float scale = tfs::DequantizeScale(norms[j], levels);
-        for (; i < stop; ++i) out[i] = static_cast<T>(tfs::DequantizeOne(q[i], scale));
+        for (; i < stop; ++i) out[i] = static_cast<T>(tfs::DequantizeOne(q[i], scale, top));
       }
     });
   }

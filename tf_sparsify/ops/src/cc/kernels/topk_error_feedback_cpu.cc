@@ -16,6 +16,9 @@
 // its keys are gathered (when few) and the exact k-th key found among them, or the next digit
 // inside the band is histogrammed. A last scan emits, in ascending index order, keys above the
 // band and the first `need` band members by index, and zeroes them in new_residual.
+//
+// Everything runs under DAZ/FTZ (ScopedFlushDenormal), the ops' denormal policy: acc reads
+// denormal inputs as zero and holds no denormals.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
@@ -36,6 +39,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/denormal.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "tfs_common.h"
 #include "validate.h"
@@ -72,6 +76,8 @@ struct Chunks {
   int64_t End(int64_t c) const { return Begin(c + 1); }
 };
 
+// Runs fn(c) for c in [0, count) on TF's CPU pool (the caller's thread when count is 1),
+// under DAZ/FTZ.
 void ForEachChunk(OpKernelContext* ctx, int64_t count, const std::function<void(int64_t)>& fn) {
   if (count == 1) {
     fn(0);
@@ -79,6 +85,7 @@ void ForEachChunk(OpKernelContext* ctx, int64_t count, const std::function<void(
   }
   ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(
       count, thread::ThreadPool::SchedulingParams::Fixed(1), [&fn](int64_t begin, int64_t end) {
+        port::ScopedFlushDenormal flush;
         for (int64_t c = begin; c < end; ++c) fn(c);
       });
 }
@@ -556,6 +563,7 @@ class TopKErrorFeedbackCpuOp : public OpKernel {
   explicit TopKErrorFeedbackCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
+    port::ScopedFlushDenormal flush;
     const Tensor& grad = ctx->input(0);
     const Tensor& residual = ctx->input(1);
     TopKOutputs out;

@@ -39,12 +39,13 @@ inline absl::Status ValidateTopK(const Tensor& grad, const Tensor& residual, con
   if (index_type == DT_INT32 && n > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(
         absl::StrCat("TopKErrorFeedback: index_type int32 cannot index ", n,
-                     " elements; use index_type int64"));
+                     " elements; use index_type int64 (index_dtype=tf.int64)"));
   }
   return absl::OkStatus();
 }
 
-// levels in [1, 32767], bucket_size >= 0, and the payload type the levels need.
+// levels in [1, 32767], bucket_size >= 0 (sizes above n mean one bucket), and the payload type
+// the levels need.
 inline absl::Status ValidateQsgdAttrs(const char* op, int64_t levels, int64_t bucket_size,
                                       DataType level_type) {
   if (levels < 1 || levels > tfs::kMaxLevels) {
