@@ -1,8 +1,11 @@
 """Check the TF-free CUDA core against the NumPy model, then time it (no TensorFlow needed).
 
 Run through ``run_gpu_checks.sh``, which builds ``libtfs_cuda.so`` first. Needs NumPy and
-PyTorch with CUDA (for device memory, the stream and the torch.topk baseline). Exit status 1
-when any correctness case fails; performance goals are reported, not enforced.
+PyTorch with CUDA (device memory, streams, CUDA graphs and the torch.topk baseline). The model
+is the ops' CPU semantics (denormal policy included), compared bit for bit, NaN payloads too.
+All work runs on a non-default stream; outputs and workspaces carry guard bytes; inputs are
+also handed misaligned. Exit status 1 when any correctness case fails; performance goals are
+reported, not enforced. ``--small`` runs only small cases (for compute-sanitizer).
 
 ``--tf-cpu`` runs the same correctness cases against the compiled TensorFlow CPU kernels
 instead (no GPU), to check this harness itself.
@@ -30,11 +33,16 @@ _spec.loader.exec_module(npref)
 CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 SIGNED = {2: np.int16, 4: np.int32, 8: np.int64}
 UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-NAN_ABOVE = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000}
 
 
 class CudaCore:
-    """ctypes bindings of libtfs_cuda.so on PyTorch device memory and stream."""
+    """ctypes bindings of libtfs_cuda.so on PyTorch device memory and a non-default stream.
+
+    Every buffer the core writes is allocated with GUARD bytes after it (checked after each
+    call); inputs are views one element into a larger buffer when ``misaligned``, and the
+    workspace is handed 64 bytes into its allocation, as TensorFlow may hand them."""
+
+    GUARD = 256
 
     def __init__(self, path: str) -> None:
         import torch
@@ -43,43 +51,18 @@ class CudaCore:
         self.lib = lib = ctypes.CDLL(path)
         c_int, c_i64, c_ptr, c_size = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t
         size_out = ctypes.POINTER(c_size)
-        lib.tfs_topk_workspace_bytes.argtypes = [c_int, c_i64, c_i64, size_out]
-        lib.tfs_topk_error_feedback.argtypes = [
-            c_int,
-            c_ptr,
-            c_ptr,
-            c_ptr,
-            c_i64,
-            c_i64,
-            c_ptr,
-            c_ptr,
-            c_int,
-            c_ptr,
-            c_size,
-            c_ptr,
-        ]
-        lib.tfs_qsgd_workspace_bytes.argtypes = [c_i64, c_i64, size_out]
-        lib.tfs_qsgd_quantize.argtypes = [
-            c_int,
-            c_ptr,
-            c_i64,
-            c_int,
-            c_i64,
-            c_i64,
-            c_ptr,
-            c_ptr,
-            c_ptr,
-            c_size,
-            c_ptr,
-        ]
-        lib.tfs_qsgd_dequantize.argtypes = [c_int, c_ptr, c_ptr, c_i64, c_int, c_i64, c_ptr, c_ptr]
-        for name in (
-            "tfs_topk_workspace_bytes",
-            "tfs_topk_error_feedback",
-            "tfs_qsgd_workspace_bytes",
-            "tfs_qsgd_quantize",
-            "tfs_qsgd_dequantize",
-        ):
+        signatures = {
+            "tfs_topk_workspace_bytes": [c_int, c_i64, c_i64, size_out],
+            "tfs_topk_error_feedback": [c_int, c_ptr, c_ptr, c_ptr, c_i64, c_i64]
+            + [c_ptr, c_ptr, c_int, c_ptr, c_size, c_ptr],
+            "tfs_qsgd_workspace_bytes": [c_i64, c_i64, size_out],
+            "tfs_qsgd_quantize": [c_int, c_ptr, c_i64, c_int, c_i64, c_i64]
+            + [c_ptr, c_ptr, c_ptr, c_size, c_ptr],
+            "tfs_qsgd_dequantize": [c_int, c_ptr, c_ptr, c_i64, c_int, c_i64, c_ptr, c_ptr],
+            "tfs_cuda_versions": [ctypes.POINTER(c_int), ctypes.POINTER(c_int)],
+        }
+        for name, args in signatures.items():
+            getattr(lib, name).argtypes = args
             getattr(lib, name).restype = c_int
         lib.tfs_error_string.argtypes = [c_int]
         lib.tfs_error_string.restype = ctypes.c_char_p
@@ -89,7 +72,15 @@ class CudaCore:
             "float32": torch.float32,
             "float64": torch.float64,
         }
-        self.ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+        self.ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        self.stream = torch.cuda.Stream()  # never the default stream
+        self.misaligned = False
+        self._guarded: list = []
+
+    def versions(self) -> str:
+        runtime, driver = ctypes.c_int(), ctypes.c_int()
+        self.check(self.lib.tfs_cuda_versions(ctypes.byref(runtime), ctypes.byref(driver)), "v")
+        return f"built with CUDA runtime {runtime.value}, driver supports {driver.value}"
 
     def check(self, code: int, what: str) -> None:
         if code != 0:
@@ -97,14 +88,33 @@ class CudaCore:
 
     @staticmethod
     def ptr(t) -> ctypes.c_void_p:
-        return ctypes.c_void_p(t.data_ptr())
+        return ctypes.c_void_p(t.data_ptr() if t.numel() else 0)
 
-    def stream(self) -> ctypes.c_void_p:
-        return ctypes.c_void_p(self.torch.cuda.current_stream().cuda_stream)
+    def handle(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(self.stream.cuda_stream)
+
+    def empty(self, count: int, dtype):
+        """``count`` elements followed by GUARD bytes of 0xA5, registered for check_guards."""
+        torch = self.torch
+        size = torch.empty(0, dtype=dtype).element_size()
+        raw = torch.full((count * size + self.GUARD,), 0xA5, dtype=torch.uint8, device="cuda")
+        self._guarded.append((raw, count * size))
+        return raw[: count * size].view(dtype)
+
+    def check_guards(self) -> bool:
+        self.stream.synchronize()
+        ok = all(bool((raw[end:] == 0xA5).all()) for raw, end in self._guarded)
+        self._guarded.clear()
+        return ok
 
     def to_device(self, bits: np.ndarray, kind: str):
-        signed = np.ascontiguousarray(bits).view(SIGNED[bits.itemsize])
-        return self.torch.from_numpy(signed.copy()).cuda().view(self.dtypes[kind])
+        """Device copy of a bit-pattern array (one element into its buffer when misaligned)."""
+        torch = self.torch
+        signed = torch.from_numpy(np.ascontiguousarray(bits).view(SIGNED[bits.itemsize]).copy())
+        shift = 1 if self.misaligned else 0
+        buf = torch.empty(bits.size + shift, dtype=signed.dtype, device="cuda")
+        buf[shift:].copy_(signed)
+        return buf[shift:].view(self.dtypes[kind])
 
     def to_host(self, t) -> np.ndarray:
         size = t.element_size()
@@ -113,15 +123,15 @@ class CudaCore:
     def workspace(self, query: Callable[[ctypes.c_size_t], int], what: str):
         size = ctypes.c_size_t()
         self.check(query(ctypes.byref(size)), what)
-        return self.torch.empty(max(size.value, 1), dtype=self.torch.uint8, device="cuda"), size
+        offset = 64 if self.misaligned else 0
+        buf = self.empty(size.value + offset, self.torch.uint8)
+        return buf[offset:], size
 
     def topk_device(self, g, r, out, k: int, kind: str, index_bytes: int, ws=None):
-        """Runs on device tensors; returns (values, indices) tensors."""
-        torch, n = self.torch, g.numel()
-        values = torch.empty(k, dtype=g.dtype, device="cuda")
-        indices = torch.empty(
-            k, dtype=torch.int32 if index_bytes == 4 else torch.int64, device="cuda"
-        )
+        """Queues the op on self.stream; returns (values, indices) tensors."""
+        n = g.numel()
+        values = self.empty(k, g.dtype)
+        indices = self.empty(k, self.ints[index_bytes])
         if ws is None:
             ws = self.workspace(
                 lambda s: self.lib.tfs_topk_workspace_bytes(CODES[kind], n, k, s), "workspace"
@@ -138,23 +148,31 @@ class CudaCore:
             index_bytes,
             self.ptr(ws[0]),
             ws[1],
-            self.stream(),
+            self.handle(),
         )
         self.check(code, "tfs_topk_error_feedback")
         return values, indices
 
     def topk(self, g_bits, r_bits, k, kind, index_bytes=4, in_place=False):
         g, r = self.to_device(g_bits, kind), self.to_device(r_bits, kind)
-        out = r if in_place else self.torch.empty_like(r)
-        values, indices = self.topk_device(g, r, out, k, kind, index_bytes)
         self.torch.cuda.synchronize()
-        return self.to_host(values), indices.cpu().numpy().astype(np.int64), self.to_host(out)
+        if in_place:
+            out = r
+        else:
+            out = self.empty(r.numel() + (1 if self.misaligned else 0), r.dtype)
+            out = out[1:] if self.misaligned else out
+        with self.torch.cuda.stream(self.stream):
+            values, indices = self.topk_device(g, r, out, k, kind, index_bytes)
+        guards = self.check_guards()
+        result = self.to_host(values), indices.cpu().numpy().astype(np.int64), self.to_host(out)
+        return (*result, guards)
 
     def quantize(self, bits, kind, levels, bucket_size, seed):
         torch, n = self.torch, bits.size
         x = self.to_device(bits, kind)
-        q = torch.empty(n, dtype=torch.int8 if levels <= 127 else torch.int16, device="cuda")
-        norms = torch.empty(npref.num_buckets(n, bucket_size), dtype=torch.float32, device="cuda")
+        torch.cuda.synchronize()
+        q = self.empty(n, torch.int8 if levels <= 127 else torch.int16)
+        norms = self.empty(npref.num_buckets(n, bucket_size), torch.float32)
         ws, size = self.workspace(
             lambda s: self.lib.tfs_qsgd_workspace_bytes(n, bucket_size, s), "workspace"
         )
@@ -169,17 +187,18 @@ class CudaCore:
             self.ptr(norms),
             self.ptr(ws),
             size,
-            self.stream(),
+            self.handle(),
         )
         self.check(code, "tfs_qsgd_quantize")
-        torch.cuda.synchronize()
-        return q.cpu().numpy(), norms.cpu().numpy()
+        guards = self.check_guards()
+        return q.cpu().numpy(), norms.cpu().numpy(), guards
 
     def dequantize(self, q, norms, levels, bucket_size, kind):
         torch = self.torch
         qd = torch.from_numpy(q.copy()).cuda()
         nd = torch.from_numpy(norms.copy()).cuda()
-        out = torch.empty(q.size, dtype=self.dtypes[kind], device="cuda")
+        torch.cuda.synchronize()
+        out = self.empty(q.size, self.dtypes[kind])
         code = self.lib.tfs_qsgd_dequantize(
             CODES[kind],
             self.ptr(qd),
@@ -188,15 +207,17 @@ class CudaCore:
             levels,
             bucket_size,
             self.ptr(out),
-            self.stream(),
+            self.handle(),
         )
         self.check(code, "tfs_qsgd_dequantize")
-        torch.cuda.synchronize()
-        return self.to_host(out)
+        guards = self.check_guards()
+        return self.to_host(out), guards
 
 
 class TfCpuCore:
     """The same interface over the compiled TensorFlow CPU kernels (checks this harness)."""
+
+    misaligned = False
 
     def __init__(self) -> None:
         import tensorflow as tf
@@ -222,235 +243,307 @@ class TfCpuCore:
 
     def topk(self, g_bits, r_bits, k, kind, index_bytes=4, in_place=False):
         g, r = self.to_tensor(g_bits, kind), self.to_tensor(r_bits, kind)
-        values, indices, out = self.ops.topk_error_feedback(g, r, k)
-        return self.to_host(values), indices.numpy().astype(np.int64), self.to_host(out)
+        index_dtype = self.tf.int32 if index_bytes == 4 else self.tf.int64
+        values, indices, out = self.ops.topk_error_feedback(g, r, k, index_dtype=index_dtype)
+        return self.to_host(values), indices.numpy().astype(np.int64), self.to_host(out), True
 
     def quantize(self, bits, kind, levels, bucket_size, seed):
         q, norms = self.ops.qsgd_quantize(self.to_tensor(bits, kind), levels, bucket_size, seed)
-        return q.numpy(), norms.numpy()
+        return q.numpy(), norms.numpy(), True
 
     def dequantize(self, q, norms, levels, bucket_size, kind):
         out = self.ops.qsgd_dequantize(q, norms, levels, bucket_size, [q.size], self.dtypes[kind])
-        return self.to_host(out)
-
-
-def is_nan(bits: np.ndarray, kind: str) -> np.ndarray:
-    if kind == "float64":
-        return np.isnan(bits.view(np.float64))
-    return (bits & np.asarray(0x7FFFFFFF if kind == "float32" else 0x7FFF, bits.dtype)) > (
-        np.asarray(NAN_ABOVE[kind], bits.dtype)
-    )
-
-
-def same_bits(a: np.ndarray, b: np.ndarray, kind: str) -> bool:
-    """Bit-identical, except that any NaN matches any NaN (payloads differ across devices)."""
-    if a.shape != b.shape:
-        return False
-    both_nan = is_nan(a, kind) & is_nan(b, kind)
-    return bool(np.all((a == b) | both_nan))
+        return self.to_host(out), True
 
 
 def from_f64(x: np.ndarray, kind: str) -> np.ndarray:
     if kind == "float64":
         return x.astype(np.float64).view(np.uint64)
-    if kind == "float16":
-        with np.errstate(over="ignore"):
-            return x.astype(np.float16).view(np.uint16)
     with np.errstate(over="ignore"):
+        if kind == "float16":
+            return x.astype(np.float16).view(np.uint16)
         return npref.from_f32(x.astype(np.float32), kind)
 
 
-def topk_cases(rng: np.random.Generator, kind: str):
+TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126, "float64": 2.0**-1022}
+BIG = {"float16": 6e4, "bfloat16": 3e38, "float32": 3e38, "float64": 1e308}
+NAN_BITS = {  # quiet NaN, negative NaN, NaN with a payload, for each kind
+    "float16": (0x7E00, 0xFE00, 0x7E15),
+    "bfloat16": (0x7FC0, 0xFFC0, 0x7FC5),
+    "float32": (0x7FC00000, 0xFFC00000, 0x7FC01234),
+    "float64": (0x7FF8000000000000, 0xFFF8000000000000, 0x7FF8000000001234),
+}
+TIE_N, TIE_K = 3 * 2**20 + 5, 2**21 + 7
+
+
+def topk_cases(rng: np.random.Generator, kind: str, small: bool):
     """(name, grad, residual, k) adversarial and random cases."""
-    tiny = {
-        "float16": 2.0**-14,
-        "bfloat16": 2.0**-126,
-        "float32": 2.0**-126,
-        "float64": 2.0**-1022,
-    }[kind]
-    big = {"float16": 6e4, "bfloat16": 3e38, "float32": 3e38, "float64": 1e308}[kind]
-    for n in (1, 7, 1023, 100003, (1 << 20) + 3):
+    for n in (1, 7, 1023, 100003) + (() if small else ((1 << 20) + 3,)):
         g, r = from_f64(rng.standard_normal(n), kind), from_f64(rng.standard_normal(n), kind)
         for k in sorted({0, 1, max(n // 1000, 1), max(n // 100, 1), n // 8 + 1, n}):
             yield f"random n={n} k={k}", g, r, k
-    n = 70001
+    n = 4099 if small else TIE_N
     zeros = from_f64(np.zeros(n), kind)
+    ks = (1, n // 2, n) if small else (1, TIE_K, n - 1)
     for value in (0.0, -0.0, 1.5):
-        for k in (1, 5, n // 10, n - 1, n):
-            yield f"all {value} k={k}", from_f64(np.full(n, value), kind), zeros, k
+        for k in ks:
+            yield f"all {value} n={n} k={k}", from_f64(np.full(n, value), kind), zeros, k
     few = from_f64(rng.integers(-3, 4, n).astype(np.float64), kind)
-    for k in (1, 100, n // 16, n // 3):
-        yield f"few values k={k}", few, zeros, k
+    for k in ks:
+        yield f"ties at the threshold n={n} k={k}", few, zeros, k
+    n = 70001 if not small else 4099
+    zeros = from_f64(np.zeros(n), kind)
     signed_zeros = from_f64(np.where(rng.random(n) < 0.5, -0.0, 0.0), kind)
     yield "signed zeros", signed_zeros, signed_zeros, 10
+    denormals = from_f64(rng.standard_normal(n) * TINY[kind] / 4, kind)
+    for k in (1, 100, n // 2):
+        yield f"denormal grads, zero residual k={k}", denormals, zeros, k
     x = rng.standard_normal(n)
     with np.errstate(over="ignore"):
-        x[::7] *= big
-    x[3::11] = tiny / 8
-    x[5::13] = -tiny / 2
+        x[::7] *= BIG[kind]
+    x[3::11] = TINY[kind] / 8
+    x[5::13] = -TINY[kind] / 2
     x[1::17] = np.inf
     x[2::19] = -np.inf
     x[4::23] = np.nan
-    small = from_f64(rng.standard_normal(n) * 1e-3, kind)
-    for k in (1, int(np.isnan(x).sum()), 5000):
-        yield f"extremes k={k}", from_f64(x, kind), small, k
+    small_r = from_f64(rng.standard_normal(n) * 1e-3, kind)
+    for k in (1, int(np.isnan(x).sum()), n // 10):
+        yield f"extremes k={k}", from_f64(x, kind), small_r, k
+    g, r = from_f64(rng.standard_normal(n), kind), from_f64(rng.standard_normal(n), kind)
+    quiet, negative, payload = NAN_BITS[kind]
+    g[0::29], g[1::29], r[2::29] = quiet, negative, payload  # NaNs in one operand only
+    g[3::31] = from_f64(np.array([np.inf]), kind)[0]
+    r[3::31] = from_f64(np.array([-np.inf]), kind)[0]  # Inf + -Inf: NaN made by the add
+    nans = len(range(0, n, 29)) * 3 + len(range(3, n, 31))
+    for k in (nans // 3, nans - 1, nans + 5):
+        yield f"NaN variants k={k}", g, r, k
+    yield "n=0", g[:0], r[:0], 0
 
 
-def qsgd_cases(rng: np.random.Generator, kind: str):
+def qsgd_cases(rng: np.random.Generator, kind: str, small: bool):
     """(name, bits, levels, bucket_size, seed)."""
-    for n, levels, bucket in (
+    sizes = [
         (0, 4, 0),
         (1, 1, 0),
         (7, 127, 3),
         (1023, 128, 0),
         (1023, 32767, 512),
-        (100003, 4, 512),
+        (100003, 4, 1500),  # 2048-wide padded buckets: 8 entries per thread
         (100003, 15, 0),
         (5000, 3, 7),
-        (5000, 2, 9000),
-        (1 << 20, 127, 4096),
-        ((1 << 20) + 5, 8, 0),
-    ):
-        for seed in (0, -7, 2**40 + 12345):
+        (5000, 2, 2**40),  # bucket_size >> n: one bucket, no huge workspace
+        (300001, 8, 1),
+    ]
+    if not small:
+        sizes += [(1 << 20, 127, 4096), ((1 << 20) + 5, 8, 1500), ((1 << 22) + 3, 4, 1)]
+    for n, levels, bucket in sizes:
+        for seed in (0, 2**40 + 12345):
             x = from_f64(rng.standard_normal(n) * 3, kind)
             yield f"n={n} levels={levels} bucket={bucket} seed={seed}", x, levels, bucket, seed
     x = rng.standard_normal(3000)
     x[::10] = 0.0
     x[1::10] = -0.0
+    x[2::97] = TINY[kind] / 4
+    with np.errstate(over="ignore"):
+        x[3::101] = BIG[kind]
     x[4::503] = np.nan
     x[5::607] = -np.inf
-    for bucket in (0, 64, 100):
-        yield f"special bucket={bucket}", from_f64(x, kind), 8, bucket, 99
+    for bucket in (0, 64, 100, 1500):
+        yield f"special values bucket={bucket}", from_f64(x, kind), 8, bucket, 99
+    denormals = from_f64(rng.standard_normal(2000) * TINY[kind] / 4, kind)
+    yield "denormal inputs", denormals, 5, 16, 7
 
 
-def run_correctness(core, flush: bool, big_n: int) -> list[str]:
-    """Every case against the NumPy model; returns the failures."""
+def run_correctness(core, small: bool) -> list[str]:
+    """Every case against the NumPy model (the ops' CPU semantics); returns the failures."""
     failures: list[str] = []
     rng = np.random.default_rng(2024)
     for kind in npref.KINDS:
         count = 0
-        for name, g, r, k in topk_cases(rng, kind):
-            for index_bytes, in_place in ((4, False), (8, True)):
-                ev, ei, er = npref.topk_error_feedback(g, r, k, kind, flush)
-                v, i, out = core.topk(g, r, k, kind, index_bytes, in_place)
-                ok = np.array_equal(i, ei) and same_bits(v, ev, kind) and same_bits(out, er, kind)
+        for name, g, r, k in topk_cases(rng, kind, small):
+            ev, ei, er = npref.topk_error_feedback(g, r, k, kind)
+            layouts = ((4, False, False), (8, True, True), (4, True, False), (8, False, True))
+            for index_bytes, in_place, misaligned in layouts[: 2 if g.size > 200000 else 4]:
+                core.misaligned = misaligned
+                v, i, out, guards = core.topk(g, r, k, kind, index_bytes, in_place)
+                ok = np.array_equal(i, ei) and np.array_equal(v, ev) and np.array_equal(out, er)
                 count += 1
-                if not ok:
-                    failures.append(f"topk {kind} {name} index_bytes={index_bytes}")
-        for name, x, levels, bucket, seed in qsgd_cases(rng, kind):
-            eq, en = npref.qsgd_quantize(x, kind, levels, bucket, seed, flush)
-            q, norms = core.quantize(x, kind, levels, bucket, seed)
-            ok = np.array_equal(q, eq) and same_bits(
-                norms.view(np.uint32), en.view(np.uint32), "float32"
-            )
-            out = core.dequantize(eq, en, levels, bucket, kind)
-            ok &= same_bits(out, npref.qsgd_dequantize(eq, en, levels, bucket, kind, flush), kind)
+                if not (ok and guards):
+                    failures.append(
+                        f"topk {kind} {name} index_bytes={index_bytes} in_place={in_place} "
+                        f"misaligned={misaligned}{'' if guards else ' GUARD BYTES OVERWRITTEN'}"
+                    )
+        for name, x, levels, bucket, seed in qsgd_cases(rng, kind, small):
+            core.misaligned = count % 2 == 1
+            eq, en = npref.qsgd_quantize(x, kind, levels, bucket, seed)
+            q, norms, guards = core.quantize(x, kind, levels, bucket, seed)
+            ok = np.array_equal(q, eq) and np.array_equal(norms.view(np.uint32), en.view(np.uint32))
+            out, guards2 = core.dequantize(eq, en, levels, bucket, kind)
+            ok &= np.array_equal(out, npref.qsgd_dequantize(eq, en, levels, bucket, kind))
             count += 1
-            if not ok:
-                failures.append(f"qsgd {kind} {name}")
+            if not (ok and guards and guards2):
+                failures.append(f"qsgd {kind} {name}{'' if guards else ' GUARD BYTES'}")
+        core.misaligned = False
         print(f"  {kind}: {count} cases", flush=True)
-    if big_n:
-        g = from_f64(rng.standard_normal(big_n), "float32")
-        r = from_f64(rng.standard_normal(big_n), "float32")
-        k = big_n // 100
-        ev, ei, er = npref.topk_error_feedback(g, r, k, "float32", flush)
-        v, i, out = core.topk(g, r, k, "float32", 4, True)
-        if not (
-            np.array_equal(i, ei) and same_bits(v, ev, "float32") and same_bits(out, er, "float32")
-        ):
-            failures.append(f"topk float32 n={big_n} k={k}")
-        print(f"  float32 n={big_n} k={k}: checked", flush=True)
     return failures
 
 
-def run_timing(core: CudaCore, n: int, density: float) -> None:
+def run_device_checks(core: CudaCore, big_n: int) -> list[str]:
+    """CUDA graph capture, n >= 2^31 refused, QSGD bucket_size 1 beyond 2^31 elements, and a
+    large random case against the model."""
+    torch, failures = core.torch, []
+    n, k = 1 << 22, 1 << 15
+    rng = np.random.default_rng(7)
+    g_bits = from_f64(rng.standard_normal(n), "float32")
+    r_bits = from_f64(rng.standard_normal(n), "float32")
+    g, r = core.to_device(g_bits, "float32"), core.to_device(r_bits, "float32")
+    ws = core.workspace(lambda s: core.lib.tfs_topk_workspace_bytes(2, n, k, s), "workspace")
+    out = torch.empty_like(r)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:  # capture fails on any synchronization, allocation or legacy-stream use
+        with torch.cuda.graph(graph, stream=core.stream):
+            values, indices = core.topk_device(g, r, out, k, "float32", 4, ws)
+        graph.replay()
+        torch.cuda.synchronize()
+        ev, ei, er = npref.topk_error_feedback(g_bits, r_bits, k, "float32")
+        got = (core.to_host(values), indices.cpu().numpy(), core.to_host(out))
+        if not all(np.array_equal(a, b) for a, b in zip(got, (ev, ei, er), strict=True)):
+            failures.append("topk in a captured CUDA graph: wrong result")
+    except RuntimeError as err:
+        failures.append(f"topk in a captured CUDA graph: {err}")
+    core._guarded.clear()
+    null = ctypes.c_void_p()
+    size = ctypes.c_size_t()
+    if core.lib.tfs_topk_workspace_bytes(2, 2**31, 5, ctypes.byref(size)) != -1:
+        failures.append("topk with n = 2^31 not refused")
+    if core.lib.tfs_qsgd_workspace_bytes(10, 2**62 + 1, ctypes.byref(size)) or size.value > 4096:
+        failures.append(f"qsgd workspace for bucket_size 2^62+1, n=10: {size.value} bytes")
+    del null
+    if big_n:  # bucket_size 1: norm = |x|, level = sign(x) * levels, checked on the device
+        x = torch.randn(big_n, device="cuda", dtype=torch.float16)
+        q = torch.empty(big_n, dtype=torch.int8, device="cuda")
+        norms = torch.empty(big_n, dtype=torch.float32, device="cuda")
+        ws = core.workspace(lambda s: core.lib.tfs_qsgd_workspace_bytes(big_n, 1, s), "ws")
+        code = core.lib.tfs_qsgd_quantize(
+            0,
+            core.ptr(x),
+            big_n,
+            5,
+            1,
+            3,
+            core.ptr(q),
+            core.ptr(norms),
+            core.ptr(ws[0]),
+            ws[1],
+            core.handle(),
+        )
+        core.check(code, "quantize bucket_size=1")
+        core.stream.synchronize()
+        ok = torch.equal(norms, x.float().abs()) and torch.equal(
+            q, (torch.sign(x.float()) * 5).to(torch.int8)
+        )
+        if not (ok and core.check_guards()):
+            failures.append(f"qsgd float16 bucket_size=1 n={big_n}")
+        del x, q, norms, ws
+        torch.cuda.empty_cache()
+    return failures
+
+
+def run_timing(core: CudaCore, n: int, density: float, kind: str) -> None:
     """Fused op vs torch.topk plus residual ops vs copies of the op's minimal traffic."""
     torch = core.torch
+    dtype = core.dtypes[kind]
     k = max(int(n * density), 1)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    g = torch.randn(n, device="cuda", generator=gen)
-    r = torch.randn(n, device="cuda", generator=gen)
-    ws = core.workspace(lambda s: core.lib.tfs_topk_workspace_bytes(2, n, k, s), "workspace")
-
-    def fused_in_place():
-        core.topk_device(g, r, r, k, "float32", 4, ws)
-
+    g = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    r = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    ws = core.workspace(
+        lambda s: core.lib.tfs_topk_workspace_bytes(CODES[kind], n, k, s), "workspace"
+    )
     out = torch.empty_like(r)
+    values = torch.empty(k, dtype=dtype, device="cuda")
+    indices = torch.empty(k, dtype=torch.int32, device="cuda")
 
-    def fused_new_buffer():
-        core.topk_device(g, r, out, k, "float32", 4, ws)
+    def fused(target):
+        core.check(
+            core.lib.tfs_topk_error_feedback(
+                CODES[kind],
+                core.ptr(g),
+                core.ptr(r),
+                core.ptr(target),
+                n,
+                k,
+                core.ptr(values),
+                core.ptr(indices),
+                4,
+                core.ptr(ws[0]),
+                ws[1],
+                core.handle(),
+            ),
+            "topk",
+        )
 
     def torch_path():
         r.add_(g)
         _, idx = torch.topk(r.abs(), k, sorted=False)
         idx = torch.sort(idx).values
-        values = r[idx]
+        picked = r[idx]
         r[idx] = 0
-        return values
+        return picked
 
-    src = torch.empty(n * 3 // 2, device="cuda")
+    src = torch.empty(n * 3 * g.element_size() // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    rows = [
-        ("fused TopK + feedback (in place)", time_ms(torch, fused_in_place)),
-        ("fused TopK + feedback (new residual)", time_ms(torch, fused_new_buffer)),
-        ("torch.topk(abs) + sort + gather + scatter", time_ms(torch, torch_path)),
-        ("copy of 6n bytes (12n bytes moved)", time_ms(torch, lambda: dst.copy_(src))),
-        ("in-place add r += g (12n bytes)", time_ms(torch, lambda: r.add_(g))),
-    ]
-    fused, torch_t, copy_t = rows[0][1], rows[2][1], rows[3][1]
-    print(f"\nTopK with error feedback, float32, n = {n:,}, k = {k:,} ({density:.1%})")
+    with torch.cuda.stream(core.stream):
+        rows = [
+            ("fused TopK + feedback (in place)", time_ms(torch, lambda: fused(r))),
+            ("fused TopK + feedback (new residual)", time_ms(torch, lambda: fused(out))),
+            ("torch.topk(abs) + sort + gather + scatter", time_ms(torch, torch_path)),
+            ("device copy of 3n elements' bytes", time_ms(torch, lambda: dst.copy_(src))),
+        ]
+    fused_ms, torch_ms, copy_ms = rows[0][1], rows[2][1], rows[3][1]
+    print(f"\nTopK with error feedback, {kind}, n = {n:,}, k = {k:,} ({density:.1%})")
     for name, ms in rows:
-        print(f"  {name:44s} {ms:9.3f} ms   {ms / fused:6.2f}x fused")
+        print(f"  {name:44s} {ms:9.3f} ms   {ms / fused_ms:6.2f}x fused")
     print(
-        f"  torch / fused = {torch_t / fused:.2f} (goal >= 2): "
-        f"{'met' if torch_t / fused >= 2 else 'MISSED'}"
-    )
-    print(
-        f"  fused / copy  = {fused / copy_t:.2f} (goal <= 3): "
-        f"{'met' if fused / copy_t <= 3 else 'MISSED'}"
+        f"  torch / fused = {torch_ms / fused_ms:.2f} (goal >= 2), "
+        f"fused / copy = {fused_ms / copy_ms:.2f} (goal <= 3)"
     )
 
+
+def run_qsgd_timing(core: CudaCore, n: int) -> None:
+    torch = core.torch
+    gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(n, device="cuda", generator=gen)
     q = torch.empty(n, dtype=torch.int8, device="cuda")
-    norms = torch.empty(npref.num_buckets(n, 512), device="cuda")
-    qws, qsize = core.workspace(lambda s: core.lib.tfs_qsgd_workspace_bytes(n, 512, s), "ws")
     decoded = torch.empty_like(x)
-
-    def quantize():
-        core.check(
-            core.lib.tfs_qsgd_quantize(
-                2,
-                core.ptr(x),
-                n,
-                127,
-                512,
-                1,
-                core.ptr(q),
-                core.ptr(norms),
-                core.ptr(qws),
-                qsize,
-                core.stream(),
-            ),
-            "quantize",
-        )
-
-    def dequantize():
-        core.check(
-            core.lib.tfs_qsgd_dequantize(
-                2, core.ptr(q), core.ptr(norms), n, 127, 512, core.ptr(decoded), core.stream()
-            ),
-            "dequantize",
-        )
-
-    print(f"\nQSGD float32, n = {n:,}, levels = 127, bucket = 512")
-    for name, ms in (
-        ("quantize", time_ms(torch, quantize)),
-        ("dequantize", time_ms(torch, dequantize)),
-    ):
-        print(f"  {name:44s} {ms:9.3f} ms   {5 * n / ms / 1e6:7.1f} GB/s (5n bytes)")
+    for bucket in (512, 1500, 0):
+        print(f"\nQSGD float32, n = {n:,}, levels = 127, bucket = {bucket}")
+        with torch.cuda.stream(core.stream):
+            for name, ms in _qsgd_times(core, x, q, decoded, bucket):
+                print(f"  {name:44s} {ms:9.3f} ms   {5 * n / ms / 1e6:7.1f} GB/s (5n bytes)")
+        core._guarded.clear()
 
 
-def time_ms(torch, fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+def _qsgd_times(core: CudaCore, x, q, decoded, bucket: int) -> list[tuple[str, float]]:
+    n = x.numel()
+    norms = core.torch.empty(npref.num_buckets(n, bucket), device="cuda")
+    ws, size = core.workspace(lambda s: core.lib.tfs_qsgd_workspace_bytes(n, bucket, s), "ws")
+    quantize = (
+        core.lib.tfs_qsgd_quantize,
+        (2, core.ptr(x), n, 127, bucket, 1, core.ptr(q), core.ptr(norms), core.ptr(ws), size),
+    )
+    dequantize = (
+        core.lib.tfs_qsgd_dequantize,
+        (2, core.ptr(q), core.ptr(norms), n, 127, bucket, core.ptr(decoded)),
+    )
+    return [
+        (name, time_ms(core.torch, lambda f=f, a=a, w=name: core.check(f(*a, core.handle()), w)))
+        for name, (f, a) in (("quantize", quantize), ("dequantize", dequantize))
+    ]
+
+
+def time_ms(torch, fn: Callable[[], object], iters: int = 10, warmup: int = 2) -> float:
     """Median milliseconds per call, by CUDA events on the current stream."""
     for _ in range(warmup):
         fn()
@@ -472,17 +565,21 @@ def main() -> int:
     parser.add_argument("--lib", help="path of libtfs_cuda.so")
     parser.add_argument("--tf-cpu", action="store_true", help="check the TF CPU kernels instead")
     parser.add_argument("--n", type=int, default=100_000_000, help="timing size")
+    parser.add_argument("--big-n", type=int, default=2**31 + 5, help="QSGD bucket_size=1 size")
+    parser.add_argument("--small", action="store_true", help="small cases only (sanitizers)")
     parser.add_argument("--skip-timing", action="store_true")
     args = parser.parse_args()
     start = time.monotonic()
     if args.tf_cpu:
-        core, flush, big_n = TfCpuCore(), True, 0
+        core = TfCpuCore()
     else:
-        core, flush, big_n = CudaCore(args.lib), False, args.n
+        core = CudaCore(args.lib)
         props = core.torch.cuda.get_device_properties(0)
-        print(f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB")
-    print("correctness against the NumPy model:", flush=True)
-    failures = run_correctness(core, flush, big_n)
+        print(f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB; {core.versions()}")
+    print("correctness against the NumPy model (the CPU kernels' semantics):", flush=True)
+    failures = run_correctness(core, args.small)
+    if not args.tf_cpu:
+        failures += run_device_checks(core, 0 if args.small else args.big_n)
     for f in failures:
         print(f"  FAILED: {f}")
     print(
@@ -490,9 +587,11 @@ def main() -> int:
         f" ({time.monotonic() - start:.0f} s)",
         flush=True,
     )
-    if not args.tf_cpu and not args.skip_timing:
-        for density in (0.01, 0.001):
-            run_timing(core, args.n, density)
+    if not (args.tf_cpu or args.small or args.skip_timing):
+        for kind in npref.KINDS:
+            for density in (0.01, 0.001):
+                run_timing(core, args.n, density, kind)
+        run_qsgd_timing(core, args.n)
     print(f"\ntotal {time.monotonic() - start:.0f} s")
     return 1 if failures else 0
 

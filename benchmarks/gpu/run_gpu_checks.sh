@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # GPU checks of the TF-free CUDA core on a machine with nvcc, NumPy and PyTorch (no
-# TensorFlow): builds tf_sparsify/ops/src/cuda into libtfs_cuda.so for this GPU's architecture, checks it
-# against the NumPy model on adversarial cases, then times it at n = 100M (k = 1% and 0.1%)
-# against torch.topk plus residual ops and against copies of the same bytes.
+# TensorFlow): builds tf_sparsify/ops/src/cuda into libtfs_cuda.so for this GPU's architecture,
+# runs the small cases under compute-sanitizer (memcheck, racecheck, synccheck, initcheck) when
+# it is installed, then checks the core against the NumPy model (the CPU kernels' semantics) on
+# adversarial cases, on a non-default stream, in a CUDA graph, with guard bytes and misaligned
+# inputs, and times it at n = 100M (k = 1% and 0.1%, every dtype) against torch.topk plus
+# residual ops and a device copy of the same bytes.
 # Usage: bash benchmarks/gpu/run_gpu_checks.sh [gpu_check.py options]; builds and logs to
-# $OUT/tfs_gpu (or /tmp/tfs_gpu); CUDA_ARCH=90 overrides the detected architecture. About 2
-# minutes on an H200 (30 s of it compiling).
+# $OUT/tfs_gpu (or /tmp/tfs_gpu); CUDA_ARCH=90 overrides the detected architecture;
+# SANITIZE=0 skips compute-sanitizer. About 4 minutes on an H200 (30 s of it compiling).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NVCC=${NVCC:-$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")}
@@ -32,6 +35,25 @@ wait "$topk"
 wait "$qsgd"
 "$NVCC" -shared -cudart static "$BUILD/topk.o" "$BUILD/qsgd.o" -o "$BUILD/libtfs_cuda.so"
 echo "built $BUILD/libtfs_cuda.so in $(( $(date +%s) - start )) s"
+status=0
+SAN=$(command -v compute-sanitizer || echo "$(dirname "$NVCC")/compute-sanitizer")
+if [[ "${SANITIZE:-1}" != 0 && -x "$SAN" ]]; then
+  for tool in memcheck racecheck synccheck initcheck; do
+    # One cudaMalloc per tensor, so that memcheck sees every buffer's end.
+    if PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 "$SAN" --tool "$tool" --error-exitcode 3 \
+        "$PY" benchmarks/gpu/gpu_check.py --lib "$BUILD/libtfs_cuda.so" --small \
+        > "$BUILD/sanitizer_$tool.log" 2>&1; then
+      echo "compute-sanitizer $tool: clean"
+    else
+      echo "compute-sanitizer $tool: FAILED (tail of $BUILD/sanitizer_$tool.log below)"
+      tail -n 30 "$BUILD/sanitizer_$tool.log"
+      status=1
+    fi
+  done
+else
+  echo "compute-sanitizer: skipped (not found or SANITIZE=0)"
+fi
 "$PY" benchmarks/gpu/gpu_check.py --lib "$BUILD/libtfs_cuda.so" "$@" 2>&1 |
   tee "$BUILD/gpu_check.log"
-exit "${PIPESTATUS[0]}"
+check=${PIPESTATUS[0]}
+exit $(( status || check ))

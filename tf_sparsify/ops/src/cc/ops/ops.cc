@@ -39,6 +39,9 @@ acc = grad + residual (in T); selects the k entries of acc of largest magnitude,
 the IEEE bit pattern with the sign cleared (NaN ranks above +Inf, +0.0 equals -0.0), ties to
 the lowest flat index. indices: ascending flat indices; values = acc[indices];
 new_residual = acc with the selected entries set to +0.0 (it may reuse residual's buffer).
+Denormals (TensorFlow's CPU policy): float32/float64/bfloat16 operands and sums below the
+smallest normal are zeros of the same sign; float16 (added in float32) keeps them. The GPU
+kernel takes n < 2^31; index_type int32 needs n < 2^31.
 )doc");
 
 REGISTER_OP("QSGDQuantize")
@@ -70,7 +73,9 @@ Bucketed QSGD quantization with counter-based stochastic rounding.
 Per bucket of bucket_size flat entries (all of them when 0): norm = float32(sqrt(pairwise
 float64 sum of squares)); r = |x| / norm * levels; level = floor(r) + (u < frac(r)) with
 u = hash_uniform(seed, i), capped at levels; signed_levels (flat, [n]) = sign(x) * level,
-0 where the level is NaN.
+0 where the level is NaN. bucket_size >= n means one bucket. Denormal inputs and quotients
+are flushed to zero (TensorFlow's CPU policy); finite inputs beyond float32's range count as
++-FLT_MAX and finite norms above FLT_MAX are sent as FLT_MAX.
 )doc");
 
 REGISTER_OP("QSGDDequantize")
@@ -92,7 +97,8 @@ REGISTER_OP("QSGDDequantize")
       return absl::OkStatus();
     })
     .Doc(R"doc(
-QSGD decoder: output = dtype(signed_level * (norm_of_bucket / levels)) reshaped to shape.
+QSGD decoder: output = dtype(signed_level * (norm_of_bucket / levels)) reshaped to shape,
+clamped to dtype's largest finite magnitude; denormal scales flush to zero.
 )doc");
 
 }  // namespace tensorflow
