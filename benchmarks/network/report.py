@@ -1,0 +1,121 @@
+"""Tables (markdown + JSON) and the accuracy plot, from the records rank 0 wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from benchmarks.network.models import COMPRESSORS
+
+DENSE, FP16 = "identity", "fp16"
+
+
+def _label(compressor: str) -> str:
+    return COMPRESSORS[compressor]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row plus ``x_dense`` (dense ms / its ms: > 1 is faster than dense) and ``x_fp16``,
+    both against rows of the same job (backend, model, rate); None when that row is missing."""
+    best = {(r["backend"], r["model"], r["rate"], r["compressor"]): r["best_ms"] for r in rows}
+    out = []
+    for row in rows:
+        job = (row["backend"], row["model"], row["rate"])
+        ratios = {}
+        for key, reference in (("x_dense", DENSE), ("x_fp16", FP16)):
+            ms = best.get((*job, reference))
+            ratios[key] = None if ms is None else ms / row["best_ms"]
+        out.append({**row, **ratios})
+    return out
+
+
+def throughput_markdown(rows: list[dict], rates: Sequence[str], compressors: Sequence[str]) -> str:
+    """One table per (backend, model): a row per compressor, per rate ms/step, ×dense, ×FP16."""
+    index = {(r["backend"], r["model"], r["rate"], r["compressor"]): r for r in rows}
+    jobs = list(dict.fromkeys((r["backend"], r["model"], r["ranks"]) for r in rows))
+    head = ["compressor", "bytes/step/rank"]
+    head += [f"{rate} {col}" for rate in rates for col in ("ms/step", "×dense", "×FP16")]
+    parts = []
+    for backend, model, ranks in jobs:
+        lines = [f"### {backend}, {model}, {ranks} ranks", ""]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name in compressors:
+            found = [index.get((backend, model, rate, name)) for rate in rates]
+            sent = next((r["bytes_per_step"] for r in found if r), None)
+            cells = [_label(name), _fmt(sent, ",")]
+            for r in found:
+                r = r or {}
+                cells += [
+                    _fmt(r.get("best_ms"), ".1f"),
+                    _fmt(r.get("x_dense"), ".2f"),
+                    _fmt(r.get("x_fp16"), ".2f"),
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def time_to_target(points: list[dict], target: float) -> dict | None:
+    """The first epoch record whose test accuracy reaches ``target``, or None."""
+    return next((p for p in points if p["accuracy"] >= target), None)
+
+
+def curves(records: list[dict]) -> dict[str, list[dict]]:
+    """Epoch records by compressor, in epoch order."""
+    out: dict[str, list[dict]] = {}
+    for record in records:
+        if record["event"] == "epoch":
+            out.setdefault(record["compressor"], []).append(record)
+    return out
+
+
+def accuracy_markdown(records: list[dict], target: float) -> str:
+    """A row per compressor: bytes, seconds and epochs to ``target``, final accuracy, seconds."""
+    sent = {r["compressor"]: r["bytes_per_step"] for r in records if r["event"] == "result"}
+    head = ["compressor", "bytes/step/rank", f"s to {target:.0%}", f"epochs to {target:.0%}"]
+    head += ["final acc", "train s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, points in curves(records).items():
+        hit = time_to_target(points, target)
+        cells = [_label(name), _fmt(sent.get(name), ",")]
+        cells += [_fmt(hit and hit["seconds"], ".1f"), _fmt(hit and hit["epoch"], "d")]
+        cells += [f"{points[-1]['accuracy']:.4f}", f"{points[-1]['seconds']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy(records: list[dict], target: float, title: str, path: str) -> None:
+    """Test accuracy against training wall-clock seconds, one line per compressor (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in curves(records).items():
+        seconds = [p["seconds"] for p in points]
+        ax.plot(seconds, [p["accuracy"] for p in points], marker="o", ms=3, label=_label(name))
+    ax.axhline(target, color="gray", ls="--", lw=1)
+    ax.set_xlabel("wall-clock seconds of training (rank 0)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(stem: str, markdown: str, data: dict) -> list[str]:
+    """Write ``stem.md`` and ``stem.json``; return their paths."""
+    os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown)
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    return [stem + ".md", stem + ".json"]

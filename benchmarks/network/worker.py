@@ -1,0 +1,189 @@
+"""One process of a throughput job, under ``horovodrun`` or as a MultiWorkerMirroredStrategy worker.
+
+Every process builds one model and optimizer per compressor (the same seed, so the same
+initial weights on every process), runs ``--warmup`` untimed steps of each (tracing, the
+first-step plan check), then ``--rounds`` rounds in which each compressor in turn runs a window
+of ``--window`` steps (A B C A B C ...). Each step ends with its loss read back, so a window's
+wall time covers every step in it. Rank 0 appends one JSON line per window and one per
+compressor at the end to ``--results``.
+
+- horovod: ``tf_sparsify.horovod.DistributedOptimizer`` compiled into the model
+  (``jit_compile=False``); a step is ``model.train_on_batch`` (Keras' compiled train function).
+- mwms: a custom loop (``strategy.run`` + ``apply_gradients``) around
+  ``tf_sparsify.SparsifiedOptimizer``; Keras 3's ``model.fit`` does not run under this strategy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_sparsify as tfs  # noqa: E402
+from benchmarks.network.models import make_compressor, make_model, synthetic_batch  # noqa: E402
+
+SEED = 0
+
+
+@dataclass
+class Trainer:
+    """One compressor's model and optimizer; ``step()`` runs one training step to completion."""
+
+    compressor: str
+    step: Callable[[], float]
+    optimizer: tfs.SparsifiedOptimizer
+
+
+def loss_fn() -> keras.losses.Loss:
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]:
+    """``(rank, size, trainers)`` under ``horovodrun``."""
+    import horovod.tensorflow as hvd
+
+    import tf_sparsify.horovod as th
+
+    hvd.init()
+    x, y = synthetic_batch(args.model, args.image_size, args.batch, seed=1 + hvd.rank())
+    trainers = []
+    for name in args.compressors.split(","):
+        model = make_model(args.model, args.image_size, SEED)
+        optimizer = th.DistributedOptimizer(keras.optimizers.SGD(args.lr), make_compressor(name))
+        model.compile(optimizer, loss_fn(), jit_compile=False)  # Horovod's ops are not XLA ops
+
+        def step(model: keras.Model = model) -> float:
+            return float(model.train_on_batch(x, y))
+
+        trainers.append(Trainer(name, step, optimizer))
+    return hvd.rank(), hvd.size(), trainers
+
+
+def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]:
+    """``(rank, size, trainers)`` in a worker started with a ``TF_CONFIG``."""
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.timeout)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    rank, size = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
+    x, y = synthetic_batch(args.model, args.image_size, args.batch, seed=1 + rank)
+    x, y = tf.constant(x), tf.constant(y)
+    trainers = []
+    for name in args.compressors.split(","):
+        with strategy.scope():
+            model = make_model(args.model, args.image_size, SEED)
+            optimizer = tfs.SparsifiedOptimizer(
+                keras.optimizers.SGD(args.lr), make_compressor(name)
+            )
+            optimizer.build(model.trainable_variables)
+        trainers.append(Trainer(name, mwms_step(strategy, model, optimizer, x, y), optimizer))
+    return rank, size, trainers
+
+
+def mwms_step(strategy, model, optimizer, x, y) -> Callable[[], float]:
+    """One synchronous training step under ``strategy`` as a callable returning the loss."""
+    loss_of = loss_fn()
+    variables = model.trainable_variables
+
+    def replica_step():
+        with tf.GradientTape() as tape:
+            # Each replica's mean loss over the replica count, as Keras scales it.
+            loss = loss_of(y, model(x, training=True)) / strategy.num_replicas_in_sync
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        return loss
+
+    train = tf.function(lambda: strategy.run(replica_step))
+
+    def step() -> float:
+        return float(strategy.experimental_local_results(train())[0])
+
+    return step
+
+
+def timed_rounds(
+    trainers: list[Trainer], args: argparse.Namespace, emit: Callable[[dict], None]
+) -> dict[str, list[float]]:
+    """Warm every trainer up, then interleave timed windows; ms/step per window, by compressor."""
+    for trainer in trainers:
+        for _ in range(args.warmup):
+            trainer.step()
+    windows: dict[str, list[float]] = {t.compressor: [] for t in trainers}
+    for round_index in range(args.rounds):
+        for trainer in trainers:
+            start = time.perf_counter()
+            for _ in range(args.window):
+                trainer.step()
+            ms = 1e3 * (time.perf_counter() - start) / args.window
+            windows[trainer.compressor].append(ms)
+            emit(
+                {
+                    "event": "window",
+                    "round": round_index + 1,
+                    "compressor": trainer.compressor,
+                    "ms_per_step": ms,
+                }
+            )
+    return windows
+
+
+def summary(trainer: Trainer, windows: list[float]) -> dict[str, Any]:
+    """The result record of one compressor: best and median window, bytes per step and rank."""
+    steps = int(trainer.optimizer.iterations.numpy())
+    return {
+        "event": "result",
+        "compressor": trainer.compressor,
+        "best_ms": min(windows),
+        "median_ms": statistics.median(windows),
+        "windows_ms": windows,
+        "steps": steps,
+        "bytes_per_step": int(trainer.optimizer.bytes_sent.numpy()) // max(steps, 1),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=("horovod", "mwms"), required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--compressors", required=True, help="comma list of benchmark names")
+    p.add_argument("--rate", required=True, help="the link's rate, recorded with each result")
+    p.add_argument("--results", required=True, help="JSON-lines file rank 0 appends to")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--window", type=int, default=10)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
+    p.add_argument("--timeout", type=int, default=300, help="collective timeout, seconds (mwms)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    make = horovod_trainers if args.backend == "horovod" else mwms_trainers
+    rank, size, trainers = make(args)
+    context = {"backend": args.backend, "model": args.model, "rate": args.rate, "ranks": size}
+
+    def emit(record: dict) -> None:
+        if rank == 0:
+            with open(args.results, "a") as f:
+                f.write(json.dumps({**context, **record}) + "\n")
+
+    windows = timed_rounds(trainers, args, emit)
+    for trainer in trainers:
+        emit(summary(trainer, windows[trainer.compressor]))
+
+
+if __name__ == "__main__":
+    main()
