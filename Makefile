@@ -6,7 +6,7 @@ VENV ?= .venv
 EXTRAS ?= cpu,demo,test
 PY := $(VENV)/bin/python
 
-.PHONY: setup ops horovod demo test lint format
+.PHONY: setup ops horovod sysdeps demo test lint format bench-network
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ setup: ops
 horovod: setup
 	bash scripts/install_horovod.sh $(VENV)
 
+# iproute2 (ip, tc) for the bandwidth benchmark's rate limits; a message where it cannot.
+sysdeps:
+	bash scripts/install_system_deps.sh
+
 demo: setup
 	$(PY) examples/digits_demo.py $(DEMO_ARGS)
 
@@ -29,7 +33,11 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: setup horovod lint
+# Rate-limited links need root; BENCH_ARGS, e.g. "--quick" or "--mode accuracy".
+bench-network: setup horovod sysdeps
+	$(PY) -m benchmarks.network $(BENCH_ARGS)
+
+test: setup horovod sysdeps lint
 	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q
 
 format: $(VENV)/.installed
