@@ -1,0 +1,202 @@
+"""The bandwidth benchmark (``benchmarks/network``).
+
+``python -m benchmarks.network --quick`` runs end to end once for the module: real
+``horovodrun -np 2 --gloo`` and real MultiWorkerMirroredStrategy worker processes, every
+compressor, a tiny model, an unlimited link, inside a private network namespace where root and
+iproute2 allow it (outside otherwise). The tests assert what it wrote and printed, never timings.
+The no-root fallback is checked through ``TF_SPARSIFY_BENCH_NO_ROOT=1``; the namespace itself
+(rate limit set, processes killed, namespace deleted) directly, where it can be made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from benchmarks.network import report, run
+from benchmarks.network.jobs import JobFailed, run_job
+from benchmarks.network.models import COMPRESSORS
+from benchmarks.network.netns import PRETEND_NO_ROOT_ENV, shaped_namespace, unavailable_reason
+from tests.conftest import ROOT
+
+BACKENDS = ("horovod", "mwms")
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[str, dict, str]:
+    """The quick run's ``(stdout, JSON, markdown)``. Past ``TIMEOUT_S`` it gets SIGTERM, on
+    which it stops its jobs and deletes its namespaces, and the test fails."""
+    stem = str(tmp_path_factory.mktemp("network_bench") / "bench")
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop(PRETEND_NO_ROOT_ENV, None)
+    command = [sys.executable, "-m", "benchmarks.network", "--quick", "--out", stem]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(
+            f"quick benchmark still running after {TIMEOUT_S} s:\n{out[-4000:]}\n{err[-4000:]}"
+        )
+    assert proc.returncode == 0, f"quick benchmark failed:\n{out[-4000:]}\n{err[-6000:]}"
+    with open(stem + ".json") as f, open(stem + ".md") as g:
+        return out, json.load(f), g.read()
+
+
+def _rows(data: dict) -> dict[tuple[str, str], dict]:
+    return {(r["backend"], r["compressor"]): r for r in data["rows"]}
+
+
+def test_a_row_per_backend_and_compressor(quick):
+    _, data, _ = quick
+    rows = _rows(data)
+    assert len(data["rows"]) == len(rows) == len(BACKENDS) * len(COMPRESSORS)
+    settings = data["settings"]
+    for backend in BACKENDS:
+        for name in COMPRESSORS:
+            row = rows[(backend, name)]
+            assert (row["model"], row["rate"], row["ranks"]) == ("tiny", "unlimited", 2)
+            assert row["best_ms"] > 0 and row["median_ms"] >= row["best_ms"]
+            assert len(row["windows_ms"]) == settings["rounds"]
+            assert row["steps"] == settings["warmup"] + settings["rounds"] * settings["window"]
+            assert row["x_dense"] > 0 and row["x_fp16"] > 0
+        assert rows[(backend, "identity")]["x_dense"] == 1.0
+        assert rows[(backend, "fp16")]["x_fp16"] == 1.0
+    assert data["complete"] is True
+
+
+def test_compressed_payloads_are_smaller(quick):
+    _, data, _ = quick
+    rows = _rows(data)
+    for backend in BACKENDS:
+        dense = rows[(backend, "identity")]["bytes_per_step"]
+        assert dense > 0
+        assert rows[(backend, "topk1")]["bytes_per_step"] < dense
+        assert (
+            rows[(backend, "topk0.1")]["bytes_per_step"]
+            < rows[(backend, "topk1")]["bytes_per_step"]
+        )
+        assert rows[(backend, "fp16")]["bytes_per_step"] < dense
+    # the same payloads whichever front end moves them
+    for name in COMPRESSORS:
+        assert rows[("horovod", name)]["bytes_per_step"] == rows[("mwms", name)]["bytes_per_step"]
+
+
+def test_progress_and_tables(quick):
+    stdout, data, markdown = quick
+    settings = data["settings"]
+    windows = [line for line in stdout.splitlines() if "ms/step" in line and "round" in line]
+    assert len(windows) == len(BACKENDS) * len(COMPRESSORS) * settings["rounds"]
+    for backend in BACKENDS:
+        assert f"### {backend}, tiny, 2 ranks" in markdown
+    for label in COMPRESSORS.values():
+        assert markdown.count(f"| {label} |") == len(BACKENDS)
+    assert "unlimited ×dense" in markdown and "best of" in markdown
+
+
+def test_runs_in_a_namespace_when_it_can(quick):
+    _, data, _ = quick
+    reason = unavailable_reason()
+    if reason is None:
+        assert "network namespace" in data["network"]
+    else:
+        assert data["network"] == f"unlimited only, no namespace: {reason}"
+
+
+def test_without_root_it_says_so_and_runs_unlimited_only(monkeypatch, capsys):
+    monkeypatch.setenv(PRETEND_NO_ROOT_ENV, "1")
+    args = run.parse_args(["--rates", "1gbit,10gbit,unlimited", "--backend", "mwms"])
+    shaped, note = run.plan_network(args)
+    assert not shaped and args.rates == ["unlimited"]
+    assert PRETEND_NO_ROOT_ENV in note
+    assert "running unlimited only" in capsys.readouterr().out
+    with run.link("unlimited", shaped) as prefix:
+        assert prefix == []
+
+
+def test_bad_arguments_are_rejected():
+    bad = (["--rates", "fast"], ["--compressors", "topk7"], ["--backend", "mpi"], ["--np", "0"])
+    for argv in bad:
+        with pytest.raises(SystemExit):
+            run.parse_args(argv)
+    with pytest.raises(SystemExit):
+        run.parse_args(["--mode", "accuracy", "--rates", "1gbit,10gbit"])
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_namespace_is_limited_and_always_cleaned_up():
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no rate-limited namespace here: {reason}")
+    with pytest.raises(KeyboardInterrupt):
+        with shaped_namespace("100mbit") as prefix:
+            name = prefix[-1]
+            qdisc = subprocess.run(
+                [*prefix, "tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True
+            )
+            assert "tbf" in qdisc.stdout and "100Mbit" in qdisc.stdout
+            links = subprocess.run([*prefix, "ip", "-o", "link"], capture_output=True, text=True)
+            assert [line.split(":")[1].strip() for line in links.stdout.splitlines()] == ["lo"]
+            sleeper = subprocess.Popen([*prefix, "sleep", "60"])
+            time.sleep(0.2)
+            raise KeyboardInterrupt  # as Ctrl-C would
+    assert sleeper.wait(timeout=10) != 0  # killed, not finished
+    assert name not in _namespaces()
+
+
+def test_run_job_streams_records_and_reports_failures(tmp_path):
+    results, log = str(tmp_path / "r.jsonl"), str(tmp_path / "job.log")
+    write = f"import json; open({results!r}, 'a').write(json.dumps({{'event': 'x'}}) + '\\n')"
+    seen: list[dict] = []
+    assert run_job([sys.executable, "-c", write], results, log, 30, seen.append) == seen
+    assert seen == [{"event": "x"}]
+    with pytest.raises(JobFailed, match="(?s)exited 3.*boom"):
+        run_job([sys.executable, "-c", "print('boom'); exit(3)"], results, log, 30, print)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_run_job_kills_a_stuck_job_with_what_it_started(tmp_path):
+    pid_file = tmp_path / "pid"
+    stuck = ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; sleep 60"]
+    results, log = str(tmp_path / "r.jsonl"), str(tmp_path / "job.log")
+    start = time.monotonic()
+    with pytest.raises(JobFailed, match="did not finish within 1 s"):
+        run_job(stuck, results, log, 1, print)
+    assert time.monotonic() - start < 20
+    assert _gone(int(pid_file.read_text()))
+
+
+def test_accuracy_report_table_and_plot(tmp_path):
+    records = []
+    for name, curve in {"identity": [0.1, 0.85, 0.93], "topk1": [0.1, 0.8, 0.88]}.items():
+        for number, accuracy in enumerate(curve):
+            seconds = 2.0 * number if name == "identity" else 0.5 * number
+            records.append(
+                {"event": "epoch", "compressor": name, "epoch": number, "seconds": seconds}
+                | {"accuracy": accuracy}
+            )
+        records.append({"event": "result", "compressor": name, "bytes_per_step": 100})
+    table = report.accuracy_markdown(records, 0.9)
+    assert "| Identity (dense) | 100 | 4.0 | 2 | 0.9300 | 4.0 |" in table
+    assert "| TopK 1% + EF | 100 | – | – | 0.8800 | 1.0 |" in table
+    report.plot_accuracy(records, 0.9, "test", str(tmp_path / "a.png"))
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
