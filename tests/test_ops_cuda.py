@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tf_sparsify.ops.build import SOURCE_DIR, find_nvcc
+from tf_sparsify.ops.build import find_nvcc
+from tf_sparsify.ops.paths import SOURCE_DIR
 
 NVCC = find_nvcc()
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -53,11 +54,19 @@ def test_cuda_core_compiles_and_loads(tmp_path: Path):
     assert lib.tfs_qsgd_workspace_bytes(i64(10**6), i64(512), ctypes.byref(size)) == 0
     assert size.value >= 2 * (10**6 // 512) * 8
     assert lib.tfs_qsgd_workspace_bytes(i64(10), i64(-1), ctypes.byref(size)) == -1
+    for huge in (2**40, 2**62, 2**62 + 1, 2**63 - 1):  # clamped to n: no huge workspace
+        assert lib.tfs_qsgd_workspace_bytes(i64(10), i64(huge), ctypes.byref(size)) == 0
+        assert size.value <= 1024
+    runtime, driver = ctypes.c_int(), ctypes.c_int()
+    lib.tfs_cuda_versions(ctypes.byref(runtime), ctypes.byref(driver))
+    assert runtime.value >= 12000
     null = ctypes.c_void_p()
     bad_k = lib.tfs_topk_error_feedback(
         2, null, null, null, i64(10), i64(11), null, null, 4, null, ctypes.c_size_t(0), null
     )
     assert bad_k == -1
+    too_big = lib.tfs_topk_workspace_bytes(2, i64(2**31), i64(5), ctypes.byref(size))
+    assert too_big == -1  # the op runs such tensors on its CPU kernel
     assert b"invalid argument" in lib.tfs_error_string(-1)
     bad_levels = lib.tfs_qsgd_quantize(
         2, null, i64(10), 0, i64(0), i64(0), null, null, null, ctypes.c_size_t(0), null

@@ -91,12 +91,12 @@ def add(a: np.ndarray, b: np.ndarray, kind: str) -> np.ndarray:
 
     Sums of normal numbers are exact when they are denormal, so flushing after the add is
     the FTZ rule here."""
-    if kind == "bfloat16":
-        return f32_to_bf16(_flush(_flush(bf16_to_f32(a)) + _flush(bf16_to_f32(b))))
-    if kind == "float16":
-        return (a.view(np.float16) + b.view(np.float16)).view(np.uint16)
-    ftype = np.float32 if kind == "float32" else np.float64
     with np.errstate(invalid="ignore", over="ignore"):
+        if kind == "bfloat16":
+            return f32_to_bf16(_flush(_flush(bf16_to_f32(a)) + _flush(bf16_to_f32(b))))
+        if kind == "float16":
+            return (a.view(np.float16) + b.view(np.float16)).view(np.uint16)
+        ftype = np.float32 if kind == "float32" else np.float64
         s = _flush(_flush(a.view(ftype)) + _flush(b.view(ftype)))
     return s.view(BITS[kind])
 
