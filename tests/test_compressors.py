@@ -1,4 +1,5 @@
-"""Compressor contracts: exactness, wire bytes, unbiasedness and variance, config, bad input."""
+"""Compressor contracts: exactness, wire bytes, unbiasedness and variance, contraction and
+error feedback, config, bad input."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import tensorflow as tf
 
 import tf_sparsify as tfs
 from tf_sparsify.compressors import deserialize, serialize
+from tf_sparsify.pipeline import GradientPipeline
 
 ALL = [
     tfs.TopK(ratio=0.1),
@@ -189,3 +191,122 @@ def test_bad_arguments_name_argument_and_value(make, message):
 def test_non_float_tensor_rejected():
     with pytest.raises(ValueError, match="dtype=int32"):
         tfs.TopK(k=1).compress(tf.constant([1, 2, 3]))
+
+
+# -- contraction and error feedback ------------------------------------------------------------
+@pytest.mark.parametrize(
+    "compressor, d, delta",
+    [
+        (tfs.TopK(k=5), 100, 0.05),
+        (tfs.ScaledSign(), 100, 0.01),
+        (tfs.Identity(), 100, 1.0),
+        (tfs.FP16(), 100, 1 - 2**-22),
+        (tfs.BF16(), 100, 1 - 2**-16),
+        (tfs.RandomK(ratio=0.6), 100, 1 - (100 / 60 - 1)),
+        (tfs.QSGD(levels=64, bucket_size=512), 10_000, 1 - min(512 / 64**2, 512**0.5 / 64)),
+        (tfs.TernGrad(), 3, 1 - (3**0.5 - 1)),
+        (tfs.RandomK(ratio=0.1), 100, None),
+        (tfs.QSGD(levels=64), 4096, None),
+        (tfs.TernGrad(), 4, None),
+    ],
+    ids=repr,
+)
+def test_contraction_declared(compressor, d, delta):
+    if delta is None:
+        assert compressor.contraction(d) is None
+    else:
+        assert compressor.contraction(d) == pytest.approx(delta)
+    assert compressor.contraction(0) == 1.0  # an empty tensor is sent exactly
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [
+        tfs.TopK(ratio=0.1),
+        tfs.ScaledSign(),
+        tfs.FP16(),
+        tfs.BF16(),
+        tfs.RandomK(ratio=0.6, seed=2),
+        tfs.QSGD(levels=32, bucket_size=64, seed=2),
+    ],
+    ids=repr,
+)
+def test_declared_contraction_holds(compressor):
+    """Mean of ||x - C(x)||^2 over 200 draws <= (1 - delta) ||x||^2 (normal-range entries)."""
+    d = 256
+    x = tf.random.stateless_normal([d], seed=[5, 5]) * tf.linspace(0.1, 3.0, d)
+    errors = [
+        float(tf.reduce_sum((x - compressor.decompress(*compressor.compress(x, step=t))) ** 2))
+        for t in range(200 if compressor.unbiased else 1)
+    ]
+    bound = (1 - compressor.contraction(d)) * float(tf.reduce_sum(x**2))
+    assert np.mean(errors) <= bound * 1.05
+
+
+@pytest.mark.parametrize(
+    "compressor, beta",
+    [
+        (tfs.RandomK(ratio=0.1), "9"),
+        (tfs.QSGD(levels=4), "1.936"),  # min(60/16, sqrt(60)/4)
+        (tfs.TernGrad(), "6.746"),  # sqrt(60) - 1
+    ],
+    ids=repr,
+)
+def test_error_feedback_without_contraction_is_rejected(compressor, beta):
+    """The pipeline used to accept these and the residual exploded (see the next test)."""
+    pipeline = GradientPipeline(compressor, error_feedback=True)
+    name = type(compressor).__name__
+    with pytest.raises(
+        ValueError, match=rf"error_feedback=True.*{name}.*60 entries.*beta = {beta}"
+    ):
+        pipeline.plan([(12, 5)], [tf.float32])
+    GradientPipeline(compressor).plan([(12, 5)], [tf.float32])  # unbiased: no memory by default
+
+
+def test_error_feedback_rejection_depends_on_the_message_size():
+    """QSGD with 64 levels contracts below 4096 entries (beta = sqrt(d)/64); under global scope
+    the message is all tensors of one dtype together."""
+    pipeline = GradientPipeline(tfs.QSGD(levels=64), error_feedback=True)
+    pipeline.plan([(4095,)], [tf.float32])
+    with pytest.raises(ValueError, match="4096 entries"):
+        pipeline.plan([(4096,)], [tf.float32])
+    pipeline = GradientPipeline(tfs.QSGD(levels=64), error_feedback=True, scope="global")
+    pipeline.plan([(4000,), (95,)], [tf.float32, tf.float64])
+    with pytest.raises(ValueError, match="4096 entries"):
+        pipeline.plan([(4000,), (96,)], [tf.float32] * 2)
+    GradientPipeline(tfs.RandomK(ratio=0.6), error_feedback=True).plan([(12, 5)], [tf.float32])
+
+
+def test_error_feedback_rejects_a_compressor_that_declares_no_contraction():
+    class NoPromise(tfs.TopK):
+        def contraction(self, num_elements):
+            return None
+
+    with pytest.raises(ValueError, match="declares no contraction"):
+        GradientPipeline(NoPromise(k=1)).plan([(4,)], [tf.float32])
+
+
+def test_error_feedback_residual_bounded_only_with_a_contraction():
+    """300 steps of e <- acc - C(acc), acc = e + g, on a fixed N(0, 1) stream (d = 200).
+
+    With a contraction delta, ||e|| <= q / (1 - q) max ||g|| where q = sqrt(1 - delta): TopK 10%
+    and FP16 stay far below it. Scaled RandomK 10% (beta = 9), which the pipeline used to
+    accept with error feedback, multiplies E||e||^2 by about beta per step once e dominates:
+    here ||e|| passed 1e10 by step 50 and overflowed float32 to Inf, then NaN, before step 100.
+    """
+    d, steps = 200, 300
+    grads = tf.random.stateless_normal([steps, d], seed=[0, 9])
+    g_max = float(tf.reduce_max(tf.norm(grads, axis=1)))
+
+    def residual_norms(compressor):
+        e, norms = tf.zeros([d]), []
+        for t in range(steps):
+            _, _, e = compressor.compress_with_feedback(grads[t], e, step=t)
+            norms.append(float(tf.norm(e)))
+        return np.array(norms)
+
+    for compressor in (tfs.TopK(ratio=0.1), tfs.FP16()):
+        q = math.sqrt(1 - compressor.contraction(d))
+        assert residual_norms(compressor).max() <= q / (1 - q) * g_max
+    exploded = residual_norms(tfs.RandomK(ratio=0.1, seed=0))
+    assert exploded[49] > 1e10 and not np.isfinite(exploded[99])

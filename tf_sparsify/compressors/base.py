@@ -104,6 +104,21 @@ class Compressor:
         """Exact bytes of the payload for a tensor of ``num_elements`` entries of ``dtype``."""
         raise NotImplementedError
 
+    def variance_bound(self, num_elements: int) -> float | None:
+        """``beta`` with ``E||C(x) - x||^2 <= beta ||x||^2`` for an unbiased compressor."""
+        return None
+
+    def contraction(self, num_elements: int) -> float | None:
+        """``delta`` in (0, 1] with ``E||x - C(x)||^2 <= (1 - delta) ||x||^2`` for every ``x``
+        of ``num_elements`` entries, or ``None`` when there is no such ``delta``.
+
+        Error feedback needs one: without it the residual can grow without bound. An unbiased
+        compressor contracts with ``delta = 1 - beta`` when its variance bound ``beta < 1``.
+        An empty tensor is sent exactly: ``delta = 1``.
+        """
+        beta = self.variance_bound(num_elements) if self.unbiased else None
+        return None if beta is None or beta >= 1 else 1.0 - beta
+
     def get_config(self) -> dict[str, Any]:
         return {}
 
@@ -170,6 +185,25 @@ def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
 def check_seed(seed: Any) -> int:
     """A non-negative integer seed."""
     return check_positive_int("seed", seed, minimum=0)
+
+
+def check_contraction(compressor: Compressor, num_elements: int) -> float:
+    """``compressor.contraction(num_elements)``; ValueError naming ``error_feedback`` if None."""
+    delta = compressor.contraction(num_elements)
+    if delta is not None:
+        return delta
+    beta = compressor.variance_bound(num_elements) if compressor.unbiased else None
+    why = (
+        f"it is unbiased with variance bound beta = {beta:.4g} >= 1, so delta = 1 - beta <= 0; "
+        "an unbiased compressor needs no error feedback: use error_feedback=False"
+        if beta is not None
+        else "it declares no contraction (contraction() is None)"
+    )
+    raise ValueError(
+        "`error_feedback=True` needs a compressor that contracts, E||x - C(x)||^2 <= "
+        "(1 - delta) ||x||^2 with delta > 0, or the residual grows without bound; "
+        f"{compressor!r} does not on a tensor of {num_elements} entries: {why}."
+    )
 
 
 def k_for(num_elements: int, ratio: float | None, k: int | None) -> int:

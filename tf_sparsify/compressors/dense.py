@@ -27,11 +27,25 @@ class Identity(Compressor):
 
 
 class _Cast(Compressor):
-    """Round to a 16-bit float for the wire; biased (round to nearest), summable."""
+    """Round to a 16-bit float for the wire; biased (round to nearest), summable.
+
+    Tensors already 16-bit travel as they are.
+    """
 
     unbiased = False
     summable = True
     wire_dtype: tf.DType
+    #: ``u``: round to nearest errs by at most ``u |x|`` inside the wire type's normal range
+    unit_roundoff: float
+
+    def contraction(self, num_elements: int) -> float:
+        """``1 - u**2``, for entries that are 0 or inside the wire type's normal range.
+
+        Below it no relative bound holds, but the error stays bounded for error feedback:
+        an entry below the normal range errs by at most half the smallest subnormal (it may
+        round to 0).
+        """
+        return 1.0 - self.unit_roundoff**2 if num_elements else 1.0
 
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         return num_elements * min(self.wire_dtype.size, dtype_bytes(dtype))
@@ -46,12 +60,14 @@ class _Cast(Compressor):
 
 
 class FP16(_Cast):
-    """Send float16 (tensors already 16-bit travel as they are)."""
+    """Send float16 (10-bit mantissa: ``u = 2**-11``; largest finite value 65504)."""
 
     wire_dtype = tf.float16
+    unit_roundoff = 2.0**-11
 
 
 class BF16(_Cast):
-    """Send bfloat16 (tensors already 16-bit travel as they are)."""
+    """Send bfloat16 (7-bit mantissa: ``u = 2**-8``; largest finite value about 3.39e38)."""
 
     wire_dtype = tf.bfloat16
+    unit_roundoff = 2.0**-8

@@ -37,7 +37,8 @@ class RandomK(Compressor):
         return k_for(num_elements, self.ratio, None)
 
     def variance_bound(self, num_elements: int) -> float:
-        return num_elements / self.num_selected(num_elements) - 1.0
+        """``d/k - 1`` (0 if empty); below 1, so contracting, for every d when ``ratio > 1/2``."""
+        return num_elements / self.num_selected(num_elements) - 1.0 if num_elements else 0.0
 
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         return self.num_selected(num_elements) * dtype_bytes(dtype)

@@ -30,7 +30,8 @@ class TernGrad(Compressor):
         self.seed = check_seed(seed)
 
     def variance_bound(self, num_elements: int) -> float:
-        return num_elements**0.5 - 1.0
+        """``sqrt(d) - 1`` (0 for d <= 1): it contracts only for d <= 3."""
+        return max(num_elements**0.5 - 1.0, 0.0)
 
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         return bits.packed_size(num_elements, 2) + 4
@@ -60,14 +61,15 @@ class ScaledSign(Compressor):
     """``(||x||_1 / d) * sign(x)`` with 1 bit per entry (EF-signSGD); biased.
 
     Zeros are sent as +1 (one bit has no room for 0); error feedback absorbs the difference.
-    Payload: packed sign bits and the float32 scale. ``contraction(d) == 1/d`` (worst case).
+    Payload: packed sign bits and the float32 scale.
     """
 
     unbiased = False
     summable = False
 
     def contraction(self, num_elements: int) -> float:
-        return 1.0 / num_elements
+        """``1/d``: ``||x - C(x)||^2 = ||x||^2 - ||x||_1^2 / d`` and ``||x||_1 >= ||x||``."""
+        return 1.0 / num_elements if num_elements else 1.0
 
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         return bits.packed_size(num_elements, 1) + 4

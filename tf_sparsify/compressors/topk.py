@@ -44,8 +44,8 @@ class TopK(Compressor):
         return k_for(num_elements, self.ratio, self.k)
 
     def contraction(self, num_elements: int) -> float:
-        """delta with ||x - C(x)||^2 <= (1 - delta) ||x||^2: k / d."""
-        return self.num_selected(num_elements) / num_elements
+        """``k / d``: the k largest entries hold at least that share of ``||x||^2``."""
+        return self.num_selected(num_elements) / num_elements if num_elements else 1.0
 
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         k = self.num_selected(num_elements)
