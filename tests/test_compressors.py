@@ -1,5 +1,5 @@
 """Compressor contracts: exactness, wire bytes, unbiasedness and variance, contraction and
-error feedback, config, bad input."""
+error feedback, randomness without a step, config, bad input."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ URQS = [
     tfs.QSGD(levels=2, bucket_size=8),
     tfs.TernGrad(seed=2),
 ]
+
+
+def assert_unbiased(samples: np.ndarray, v: np.ndarray) -> None:
+    """The sample mean is within 5 standard errors of ``v`` in every coordinate (plus float32
+    rounding for coordinates sent exactly)."""
+    mean = samples.mean(axis=0)
+    stderr = samples.std(axis=0) / math.sqrt(len(samples))
+    bad = np.abs(mean - v) > 5 * stderr + 1e-6 * np.abs(v).max()
+    assert not bad.any(), (np.flatnonzero(bad), mean[bad], v[bad], stderr[bad])
 
 
 def numpy_topk(x: np.ndarray, k: int) -> np.ndarray:
@@ -102,11 +111,7 @@ def test_urq_unbiased_and_variance_bound(compressor):
 
     samples = np.stack([sample(tf.constant(t, tf.int64)).numpy() for t in range(trials)])
     samples, v = samples.astype(np.float64), v.numpy().astype(np.float64)
-    mean = samples.mean(axis=0)
-    stderr = samples.std(axis=0) / math.sqrt(trials)
-    # 5 standard errors per coordinate; float32 rounding for coordinates sent exactly.
-    bad = np.abs(mean - v) > 5 * stderr + 1e-6 * np.abs(v).max()
-    assert not bad.any(), (np.flatnonzero(bad), mean[bad], v[bad], stderr[bad])
+    assert_unbiased(samples, v)
     beta_hat = np.mean(np.sum((samples - v) ** 2, axis=1)) / np.sum(v**2)
     assert beta_hat <= compressor.variance_bound(d) * 1.05
     assert beta_hat > 0
@@ -310,3 +315,51 @@ def test_error_feedback_residual_bounded_only_with_a_contraction():
         assert residual_norms(compressor).max() <= q / (1 - q) * g_max
     exploded = residual_norms(tfs.RandomK(ratio=0.1, seed=0))
     assert exploded[49] > 1e10 and not np.isfinite(exploded[99])
+
+
+# -- randomness without a step -----------------------------------------------------------------
+RANDOMIZED = [
+    lambda: tfs.RandomK(ratio=0.25, seed=4),
+    lambda: tfs.QSGD(levels=1, seed=4),
+    lambda: tfs.TernGrad(seed=4),
+]
+
+
+@pytest.mark.parametrize("make", RANDOMIZED, ids=["RandomK", "QSGD", "TernGrad"])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_no_step_draws_afresh_and_stays_unbiased(make, traced):
+    """Without a step every call used to draw as step 0: the mean stayed one biased draw."""
+    compressor, trials = make(), 400
+    v = tf.random.stateless_normal([16], seed=[2, 3]) * tf.linspace(0.5, 2.0, 16)
+
+    def sample():
+        return compressor.decompress(*compressor.compress(v))
+
+    draw = tf.function(sample) if traced else sample
+    samples = np.stack([draw().numpy() for _ in range(trials)]).astype(np.float64)
+    assert len({s.tobytes() for s in samples}) > trials // 2
+    assert_unbiased(samples, v.numpy().astype(np.float64))
+
+
+@pytest.mark.parametrize("make", RANDOMIZED, ids=["RandomK", "QSGD", "TernGrad"])
+def test_unkeyed_calls_count_steps_and_keyed_calls_reproduce(make):
+    """The n-th call without a step draws as ``step=n`` (eager and traced calls share the
+    count); explicit keys give the same payload bit for bit, whatever came before."""
+    compressor = make()
+    x = tf.random.stateless_normal([64], seed=[8, 1])
+    keyed = [make().compress(x, step=t, tensor_id=0)[0] for t in range(4)]
+    traced = tf.function(lambda: compressor.compress(x)[0])
+    unkeyed = [compressor.compress(x)[0], compressor.compress(x)[0], traced(), traced()]
+    for got, want in zip(unkeyed, keyed, strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+    again = compressor.compress(x, step=2, tensor_id=0, replica_id=1)[0]
+    fresh = make().compress(x, step=2, tensor_id=0, replica_id=1)[0]
+    for a, b in zip(again, fresh, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_deterministic_compressors_keep_no_counter():
+    comp = tfs.TopK(k=2)
+    comp.compress(tf.ones([4]))
+    assert comp._unkeyed_steps is None and not comp.randomized

@@ -39,9 +39,12 @@ class Context:
 class Compressor:
     """Base class: ``compress(tensor) -> (payload, ctx)``, ``decompress(payload, ctx)``.
 
-    Subclasses set ``unbiased`` and ``summable`` and implement ``_compress``, ``_decompress``
-    and ``wire_bytes``. A compressor holds no state apart from its seed: random choices are
-    drawn from stateless RNG keyed by ``(seed, step, tensor_id[, replica_id])``.
+    Subclasses set ``unbiased``, ``summable`` and ``randomized`` and implement ``_compress``,
+    ``_decompress`` and ``wire_bytes``. Random choices are drawn from stateless RNG keyed by
+    ``(seed, step, tensor_id[, replica_id])``. A call without a step draws afresh: the n-th
+    such call of a randomized compressor (n = 0, 1, ...) uses ``step=n``, counted by an int64
+    ``tf.Variable`` that advances on every call, also inside a ``tf.function``; that counter is
+    the only state besides the seed and is not part of the config.
 
     ``summable`` means payloads of several replicas can be added element-wise before
     ``decompress`` (decompression is linear in the payload and all replicas share the layout),
@@ -50,6 +53,8 @@ class Compressor:
 
     unbiased: ClassVar[bool] = False
     summable: ClassVar[bool] = False
+    randomized: ClassVar[bool] = False
+    _unkeyed_steps: tf.Variable | None = None
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
@@ -59,14 +64,16 @@ class Compressor:
     def compress(
         self,
         tensor: tf.Tensor,
-        step: tf.Tensor | int = 0,
+        step: tf.Tensor | int | None = None,
         tensor_id: int = 0,
         replica_id: tf.Tensor | int = 0,
     ) -> tuple[Payload, Context]:
-        """Compress ``tensor``; the keys only matter for randomized compressors."""
-        tensor = tf.convert_to_tensor(tensor)
-        check_float("tensor", tensor.dtype)
-        ctx = Context(tensor.shape, tensor.dtype, step, tensor_id)
+        """Compress ``tensor``; the keys only matter for randomized compressors.
+
+        ``step=None`` draws afresh on each call (see the class docstring); explicit keys
+        reproduce a draw exactly.
+        """
+        tensor, ctx = self._context(tensor, step, tensor_id)
         return tuple(self._compress(tensor, ctx, replica_id)), ctx
 
     def decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
@@ -77,7 +84,7 @@ class Compressor:
         self,
         tensor: tf.Tensor,
         residual: tf.Tensor,
-        step: tf.Tensor | int = 0,
+        step: tf.Tensor | int | None = None,
         tensor_id: int = 0,
         replica_id: tf.Tensor | int = 0,
     ) -> tuple[Payload, Context, tf.Tensor]:
@@ -135,6 +142,26 @@ class Compressor:
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, tuple(sorted(self.get_config().items()))))
+
+    # -- shared steps -----------------------------------------------------------------------
+    def _context(
+        self, tensor: tf.Tensor, step: tf.Tensor | int | None, tensor_id: int
+    ) -> tuple[tf.Tensor, Context]:
+        """Check ``tensor`` and build its context; ``step=None`` takes the next unkeyed step."""
+        tensor = tf.convert_to_tensor(tensor)
+        check_float("tensor", tensor.dtype)
+        if step is None:
+            step = self._next_unkeyed_step() if self.randomized else 0
+        return tensor, Context(tensor.shape, tensor.dtype, step, tensor_id)
+
+    def _next_unkeyed_step(self) -> tf.Tensor:
+        """0, 1, 2, ... on successive calls, eagerly and per execution of a tf.function."""
+        if self._unkeyed_steps is None:
+            with tf.init_scope():  # created once, outside any function being traced
+                self._unkeyed_steps = tf.Variable(
+                    0, dtype=tf.int64, trainable=False, name="unkeyed_steps"
+                )
+        return tf.identity(self._unkeyed_steps.assign_add(1)) - 1
 
     # -- to implement -----------------------------------------------------------------------
     def _compress(self, tensor: tf.Tensor, ctx: Context, replica_id) -> Payload:

@@ -33,6 +33,7 @@ class QSGD(Compressor):
 
     unbiased = True
     summable = False
+    randomized = True
 
     def __init__(self, levels: int, bucket_size: int | None = None, seed: int = 0):
         self.levels = check_positive_int("levels", levels)

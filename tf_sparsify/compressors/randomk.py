@@ -28,6 +28,7 @@ class RandomK(Compressor):
 
     unbiased = True
     summable = True
+    randomized = True
 
     def __init__(self, ratio: float, seed: int = 0):
         self.ratio = check_ratio(ratio)

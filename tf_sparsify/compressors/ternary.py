@@ -25,6 +25,7 @@ class TernGrad(Compressor):
 
     unbiased = True
     summable = False
+    randomized = True
 
     def __init__(self, seed: int = 0):
         self.seed = check_seed(seed)

@@ -11,7 +11,6 @@ from tf_sparsify.compressors.base import (
     Compressor,
     Context,
     Payload,
-    check_float,
     check_positive_int,
     check_ratio,
     dtype_bytes,
@@ -51,10 +50,8 @@ class TopK(Compressor):
         k = self.num_selected(num_elements)
         return k * (dtype_bytes(dtype) + index_dtype(num_elements).size)
 
-    def compress_with_feedback(self, tensor, residual, step=0, tensor_id=0, replica_id=0):
-        tensor = tf.convert_to_tensor(tensor)
-        check_float("tensor", tensor.dtype)
-        ctx = Context(tensor.shape, tensor.dtype, step, tensor_id)
+    def compress_with_feedback(self, tensor, residual, step=None, tensor_id=0, replica_id=0):
+        tensor, ctx = self._context(tensor, step, tensor_id)
         values, indices, new_residual = ops.topk_error_feedback(
             tensor, residual, self.num_selected(ctx.num_elements)
         )
