@@ -1,8 +1,9 @@
 """Compressor contracts: exactness, wire bytes, unbiasedness and variance, contraction and
-error feedback, randomness without a step, config, bad input."""
+error feedback, randomness without a step, config, bad input and edge values."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -186,11 +187,53 @@ def test_config_roundtrip(compressor):
         (lambda: tfs.QSGD(levels=4, bucket_size=0), "bucket_size=0"),
         (lambda: tfs.TernGrad(seed=-1), "seed=-1"),
         (lambda: deserialize({"class_name": "Nope"}), "Unknown compressor"),
+        # seeds travel as int64: larger ones used to be accepted and fail at the first draw
+        (lambda: tfs.RandomK(0.1, seed=2**63), "seed=9223372036854775808"),
+        (lambda: tfs.QSGD(4, seed=2**64), "seed=18446744073709551616"),
+        (lambda: tfs.TernGrad(seed=1.5), "seed=1.5"),
+        (lambda: tfs.TernGrad(seed=True), "seed=True"),
+        (lambda: tfs.TopK(k=True), "k=True"),
+        (lambda: tfs.TopK(k=np.bool_(True)), "k=np.True_"),
+        (lambda: tfs.TopK(k=3.0), "k=3.0"),
+        (lambda: tfs.TopK(ratio=float("nan")), "ratio=nan"),
+        (lambda: tfs.TopK(ratio=True), "ratio=True"),
+        (lambda: tfs.RandomK(ratio="0.1"), "ratio='0.1'"),
+        (lambda: tfs.RandomK(ratio=np.float32(1.5)), "ratio=np.float32(1.5)"),
+        (lambda: tfs.QSGD(levels=40000), "levels=40000"),
+        (lambda: tfs.QSGD(levels=np.float32(4)), "levels=np.float32(4.0)"),
+        (lambda: tfs.QSGD(levels=4, bucket_size=np.int64(-1)), "bucket_size=np.int64(-1)"),
     ],
 )
 def test_bad_arguments_name_argument_and_value(make, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make()
+
+
+def test_largest_int64_seed_draws():
+    x = tf.range(8, dtype=tf.float32)
+    for comp in (tfs.RandomK(0.5, seed=2**63 - 1), tfs.QSGD(2, seed=2**63 - 1)):
+        comp.decompress(*comp.compress(x, step=1))
+
+
+@pytest.mark.parametrize(
+    "make, config",
+    [
+        (lambda: tfs.TopK(ratio=np.float32(0.5)), {"ratio": 0.5, "k": None}),
+        (lambda: tfs.TopK(k=np.int64(3)), {"ratio": None, "k": 3}),
+        (lambda: tfs.RandomK(np.float64(0.25), seed=np.uint32(7)), {"ratio": 0.25, "seed": 7}),
+        (
+            lambda: tfs.QSGD(np.int16(4), bucket_size=np.int64(8), seed=np.int64(2)),
+            {"levels": 4, "bucket_size": 8, "seed": 2},
+        ),
+        (lambda: tfs.TernGrad(seed=np.int8(3)), {"seed": 3}),
+    ],
+)
+def test_numpy_scalars_accepted_and_stored_as_python_numbers(make, config):
+    """NumPy scalars used to be rejected as not being numbers."""
+    comp = make()
+    assert comp.get_config() == config
+    assert all(type(v) in (int, float, type(None)) for v in comp.get_config().values())
+    assert deserialize(json.loads(json.dumps(serialize(comp)))) == comp
 
 
 def test_non_float_tensor_rejected():
@@ -363,3 +406,87 @@ def test_deterministic_compressors_keep_no_counter():
     comp = tfs.TopK(k=2)
     comp.compress(tf.ones([4]))
     assert comp._unkeyed_steps is None and not comp.randomized
+
+
+# -- edge values -------------------------------------------------------------------------------
+@pytest.mark.parametrize("compressor", ALL, ids=repr)
+@pytest.mark.parametrize("shape", [(0,), (3, 0)], ids=str)
+def test_empty_tensor_roundtrip(compressor, shape):
+    """RandomK used to raise ZeroDivisionError, TernGrad sent a scale of -Inf."""
+    x = tf.zeros(shape)
+    payload, ctx = compressor.compress(x, step=1)
+    assert compressor.decompress(payload, ctx).shape == shape
+    assert compressor.wire_bytes(0) == sum(int(np.prod(t.shape)) * t.dtype.size for t in payload)
+    assert all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in payload if t.dtype.is_floating)
+    _, _, residual = compressor.compress_with_feedback(x, tf.zeros(shape), step=1)
+    assert residual.shape == shape
+
+
+@pytest.mark.parametrize("compressor", [c for c in ALL if c.needs_static_shape], ids=repr)
+def test_unknown_static_shape_needs_a_full_shape(compressor):
+    """TopK, ScaledSign and RandomK used to raise a bare TypeError, TernGrad a reshape error."""
+    spec = [tf.TensorSpec([None, 3], tf.float32)]
+    for fn in (
+        lambda x: compressor.compress(x, step=0)[0],
+        lambda x: compressor.compress_with_feedback(x, x, step=0)[2],
+    ):
+        with pytest.raises(ValueError, match=r"fully defined static shape.*\(None, 3\)"):
+            tf.function(fn, input_signature=spec).get_concrete_function()
+
+
+@pytest.mark.parametrize("compressor", [tfs.FP16(), tfs.BF16(), tfs.Identity()], ids=repr)
+def test_dense_compressors_take_unknown_shapes(compressor):
+    fn = tf.function(
+        lambda x: compressor.decompress(*compressor.compress(x)),
+        input_signature=[tf.TensorSpec([None], tf.float32)],
+    )
+    np.testing.assert_array_equal(fn(tf.constant([1.0, -2.0])).numpy(), [1.0, -2.0])
+
+
+@pytest.mark.parametrize(
+    "compressor, dtype, big",
+    [
+        (tfs.FP16(), tf.float32, 1e5),
+        (tfs.FP16(), tf.float64, 1e10),
+        (tfs.BF16(), tf.float32, 3.4e38),
+        (tfs.BF16(), tf.float64, 1e300),
+    ],
+    ids=str,
+)
+def test_half_precision_saturates_and_feedback_keeps_the_excess(compressor, dtype, big):
+    """Finite values beyond the wire type's range used to become +-Inf."""
+    top = float(compressor.wire_dtype.max)
+    x = tf.constant([big, -big, 1.0, np.inf, np.nan], dtype)
+    (wire,), _ = compressor.compress(x)
+    np.testing.assert_array_equal(wire.numpy().astype(np.float64), [top, -top, 1.0, np.inf, np.nan])
+    payload, ctx, residual = compressor.compress_with_feedback(x[:3], tf.zeros(3, dtype))
+    sent = compressor.decompress(payload, ctx)
+    np.testing.assert_array_equal(residual.numpy(), x[:3].numpy() - [top, -top, 1.0])
+    np.testing.assert_allclose((sent + residual).numpy(), x[:3].numpy(), rtol=1e-15)
+
+
+@pytest.mark.parametrize(
+    "dtype, values, scale",
+    [
+        (tf.float32, [3e38, 3e38, -3e38, 0.0], 2.25e38),  # the float32 sum overflows
+        (tf.bfloat16, [3e38, 3e38], 3e38),
+        (tf.float64, [1e300, -1e300], float(np.finfo(np.float32).max)),  # saturates
+    ],
+    ids=str,
+)
+def test_scaled_sign_scale_does_not_overflow(dtype, values, scale):
+    """The scale used to be summed in float32 and overflow to Inf although the mean fits."""
+    comp = tfs.ScaledSign()
+    x = tf.constant(values, dtype)
+    payload, ctx, residual = comp.compress_with_feedback(x, tf.zeros_like(x))
+    assert float(payload[1]) == pytest.approx(float(tf.cast(tf.constant(scale), dtype)), rel=1e-6)
+    sent = comp.decompress(payload, ctx)
+    assert bool(tf.reduce_all(tf.math.is_finite(sent)))
+    assert bool(tf.reduce_all(tf.math.is_finite(residual)))
+    np.testing.assert_array_equal(tf.sign(sent).numpy(), np.where(np.array(values) < 0, -1, 1))
+
+
+def test_scaled_sign_non_finite_input_stays_non_finite():
+    comp = tfs.ScaledSign()
+    assert math.isinf(float(comp.compress(tf.constant([1.0, np.inf]))[0][1]))
+    assert math.isnan(float(comp.compress(tf.constant([1.0, np.nan]))[0][1]))

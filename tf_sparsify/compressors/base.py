@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, ClassVar
 
+import numpy as np
 import tensorflow as tf
 
 Payload = tuple[tf.Tensor, ...]
 
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+MAX_SEED = 2**63 - 1  # seeds travel as int64
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 
@@ -54,6 +57,8 @@ class Compressor:
     unbiased: ClassVar[bool] = False
     summable: ClassVar[bool] = False
     randomized: ClassVar[bool] = False
+    #: whether ``compress`` needs the tensor's size at trace time (the payload layout uses it)
+    needs_static_shape: ClassVar[bool] = True
     _unkeyed_steps: tf.Variable | None = None
 
     def __init_subclass__(cls, **kwargs: Any):
@@ -150,6 +155,12 @@ class Compressor:
         """Check ``tensor`` and build its context; ``step=None`` takes the next unkeyed step."""
         tensor = tf.convert_to_tensor(tensor)
         check_float("tensor", tensor.dtype)
+        if self.needs_static_shape and not tensor.shape.is_fully_defined():
+            raise ValueError(
+                f"{type(self).__name__} needs a tensor of fully defined static shape (its size "
+                f"sets the payload); received shape={tensor.shape}. Inside a tf.function, give "
+                "an input_signature with a full shape."
+            )
         if step is None:
             step = self._next_unkeyed_step() if self.randomized else 0
         return tensor, Context(tensor.shape, tensor.dtype, step, tensor_id)
@@ -195,23 +206,34 @@ def check_float(name: str, dtype: tf.DType) -> None:
         )
 
 
+def _is_number(value: Any, kind: type) -> bool:
+    """A Python or NumPy number of ``kind`` (``numbers.Real`` or ``numbers.Integral``), not a
+    bool."""
+    return isinstance(value, kind) and not isinstance(value, bool | np.bool_)
+
+
 def check_ratio(ratio: Any) -> float:
-    """A density in (0, 1]."""
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+    """A density in (0, 1], returned as a Python float."""
+    if not _is_number(ratio, numbers.Real) or not 0 < ratio <= 1:
         raise ValueError(f"`ratio` must be a number in (0, 1]; received ratio={ratio!r}")
     return float(ratio)
 
 
-def check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    """An integer >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}; received {name}={value!r}")
-    return value
+def check_positive_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
+    """An integer in ``[minimum, maximum]`` (Python or NumPy), returned as a Python int."""
+    if (
+        not _is_number(value, numbers.Integral)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"`{name}` must be an integer {bound}; received {name}={value!r}")
+    return int(value)
 
 
 def check_seed(seed: Any) -> int:
-    """A non-negative integer seed."""
-    return check_positive_int("seed", seed, minimum=0)
+    """A non-negative integer seed that fits int64."""
+    return check_positive_int("seed", seed, minimum=0, maximum=MAX_SEED)
 
 
 def check_contraction(compressor: Compressor, num_elements: int) -> float:

@@ -12,6 +12,7 @@ class Identity(Compressor):
 
     unbiased = True
     summable = True
+    needs_static_shape = False
 
     def variance_bound(self, num_elements: int) -> float:
         return 0.0
@@ -29,11 +30,14 @@ class Identity(Compressor):
 class _Cast(Compressor):
     """Round to a 16-bit float for the wire; biased (round to nearest), summable.
 
-    Tensors already 16-bit travel as they are.
+    Finite values beyond the wire type's range saturate to its largest finite value instead of
+    becoming Inf (with error feedback, the default, the excess stays in the residual); Inf and
+    NaN pass as they are. Tensors already 16-bit travel as they are.
     """
 
     unbiased = False
     summable = True
+    needs_static_shape = False
     wire_dtype: tf.DType
     #: ``u``: round to nearest errs by at most ``u |x|`` inside the wire type's normal range
     unit_roundoff: float
@@ -41,9 +45,9 @@ class _Cast(Compressor):
     def contraction(self, num_elements: int) -> float:
         """``1 - u**2``, for entries that are 0 or inside the wire type's normal range.
 
-        Below it no relative bound holds, but the error stays bounded for error feedback:
+        Outside it no relative bound holds, but the error stays bounded for error feedback:
         an entry below the normal range errs by at most half the smallest subnormal (it may
-        round to 0).
+        round to 0), and a saturated entry's excess waits in the residual for later steps.
         """
         return 1.0 - self.unit_roundoff**2 if num_elements else 1.0
 
@@ -53,7 +57,9 @@ class _Cast(Compressor):
     def _compress(self, tensor, ctx, replica_id) -> Payload:
         if tensor.dtype.size <= self.wire_dtype.size:
             return (tensor,)
-        return (tf.cast(tensor, self.wire_dtype),)
+        biggest = self.wire_dtype.max
+        saturated = tf.clip_by_value(tensor, -biggest, biggest)  # NaN stays NaN
+        return (tf.cast(tf.where(tf.math.is_inf(tensor), tensor, saturated), self.wire_dtype),)
 
     def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
         return tf.cast(payload[0], ctx.dtype)

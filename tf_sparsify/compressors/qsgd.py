@@ -36,9 +36,7 @@ class QSGD(Compressor):
     randomized = True
 
     def __init__(self, levels: int, bucket_size: int | None = None, seed: int = 0):
-        self.levels = check_positive_int("levels", levels)
-        if self.levels > MAX_LEVELS:
-            raise ValueError(f"`levels` must be <= {MAX_LEVELS}; received levels={levels!r}")
+        self.levels = check_positive_int("levels", levels, maximum=MAX_LEVELS)
         self.bucket_size = (
             None if bucket_size is None else check_positive_int("bucket_size", bucket_size)
         )

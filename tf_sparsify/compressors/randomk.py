@@ -60,7 +60,7 @@ class RandomK(Compressor):
 
     def _compress(self, tensor, ctx, replica_id) -> Payload:
         idx = self.indices(ctx.num_elements, ctx.step, ctx.tensor_id)
-        scale = ctx.num_elements / self.num_selected(ctx.num_elements)
+        scale = ctx.num_elements / max(self.num_selected(ctx.num_elements), 1)  # 0/1 if empty
         values = tf.gather(tf.reshape(tensor, [-1]), idx) * tf.cast(scale, ctx.dtype)
         return (values,)
 

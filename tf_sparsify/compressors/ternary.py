@@ -39,7 +39,7 @@ class TernGrad(Compressor):
 
     def _compress(self, tensor, ctx, replica_id) -> Payload:
         flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
-        scale = tf.reduce_max(tf.abs(flat))
+        scale = tf.maximum(tf.reduce_max(tf.abs(flat)), 0.0)  # 0 if empty; NaN passes
         safe = tf.where(scale > 0, scale, 1.0)
         u = tf.random.stateless_uniform(
             tf.shape(flat), seed=rng_seed(self.seed, ctx.step, ctx.tensor_id, replica_id)
@@ -62,7 +62,9 @@ class ScaledSign(Compressor):
     """``(||x||_1 / d) * sign(x)`` with 1 bit per entry (EF-signSGD); biased.
 
     Zeros are sent as +1 (one bit has no room for 0); error feedback absorbs the difference.
-    Payload: packed sign bits and the float32 scale.
+    Payload: packed sign bits and the float32 scale. The mean is computed in float64 relative
+    to ``max|x|``, so it never overflows; only a mean beyond float32's range (float64 input)
+    saturates to float32's maximum, the rest staying in the residual.
     """
 
     unbiased = False
@@ -76,11 +78,21 @@ class ScaledSign(Compressor):
         return bits.packed_size(num_elements, 1) + 4
 
     def _compress(self, tensor, ctx, replica_id) -> Payload:
-        flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
-        scale = tf.reduce_sum(tf.abs(flat)) / float(max(ctx.num_elements, 1))
-        return bits.pack(tf.cast(flat >= 0, tf.int32), 1), scale
+        flat = tf.reshape(tensor, [-1])
+        return bits.pack(tf.cast(flat >= 0, tf.int32), 1), _mean_abs_float32(flat)
 
     def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
         packed, scale = payload
         sign = tf.cast(bits.unpack(packed, 1, ctx.num_elements), tf.float32) * 2.0 - 1.0
         return tf.cast(tf.reshape(sign * scale, ctx.shape), ctx.dtype)
+
+
+def _mean_abs_float32(flat: tf.Tensor) -> tf.Tensor:
+    """``mean |x|`` as float32 without intermediate overflow (0 if empty; Inf, NaN pass)."""
+    wide = tf.abs(tf.cast(flat, tf.float64))
+    peak = tf.maximum(tf.reduce_max(wide), 0.0)
+    unit = tf.where(tf.math.is_finite(peak) & (peak > 0), peak, 1.0)
+    size = tf.cast(tf.maximum(tf.size(wide), 1), tf.float64)
+    mean = unit * (tf.reduce_sum(wide / unit) / size)
+    biggest = tf.float32.max
+    return tf.cast(tf.where(tf.math.is_finite(mean), tf.minimum(mean, biggest), mean), tf.float32)
