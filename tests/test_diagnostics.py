@@ -90,7 +90,8 @@ def test_summary_whole_model_and_dense_units():
     assert s["density"] == pytest.approx(3 / 9)
     assert s["wire_density"] == pytest.approx(4 / 9)  # TopK promises k=1 of the zero vector too
     assert "residual_norm/b" not in s and s["residual_norm"] == pytest.approx(math.sqrt(5))
-    assert gap_bound(tfs.FP16(), 10) is None
+    assert gap_bound(tfs.FP16(), 10) == pytest.approx(2**-11)  # normal-range rounding
+    assert gap_bound(tfs.RandomK(0.1), 10) == pytest.approx(3.0)  # sqrt(beta)
 
 
 def test_empirical_beta_randomk_known_answer():

@@ -48,8 +48,9 @@ def gap_bound(compressor: Compressor, num_elements: int) -> float | None:
     (TopK: ``sqrt(1 - K/n)``), ``sqrt(beta)`` (root mean square) for an unbiased quantizer,
     ``None`` when the compressor promises neither.
     """
-    if hasattr(compressor, "contraction"):
-        return math.sqrt(max(0.0, 1.0 - compressor.contraction(num_elements)))
+    delta = compressor.contraction(num_elements)
+    if delta is not None:
+        return math.sqrt(max(0.0, 1.0 - delta))
     if compressor.unbiased and hasattr(compressor, "variance_bound"):
         return math.sqrt(compressor.variance_bound(num_elements))
     return None
