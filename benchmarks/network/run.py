@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="throughput: intra-op threads per process (0: TF's default)",
     )
     p.add_argument("--epochs", type=int, default=20, help="accuracy: epochs per compressor")
-    p.add_argument("--target", type=float, default=0.9, help="accuracy: test accuracy to reach")
+    p.add_argument("--target", type=float, default=0.95, help="accuracy: test accuracy to reach")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
     p.add_argument("--out", help="path stem for .md/.json (.png in accuracy mode)")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps, unlimited")
