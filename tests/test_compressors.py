@@ -490,3 +490,18 @@ def test_scaled_sign_non_finite_input_stays_non_finite():
     comp = tfs.ScaledSign()
     assert math.isinf(float(comp.compress(tf.constant([1.0, np.inf]))[0][1]))
     assert math.isnan(float(comp.compress(tf.constant([1.0, np.nan]))[0][1]))
+
+
+@pytest.mark.parametrize("compressor", [c for c in ALL if c.reveals_non_finite], ids=repr)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16])
+def test_declared_payloads_reveal_non_finite_inputs(compressor, bad, dtype):
+    """``reveals_non_finite``: the pipeline relies on it instead of checking the input, so a
+    single NaN or Inf anywhere (also among many large finite values) must show in the payload."""
+    rng = np.random.default_rng(7)
+    for position in (0, 37, 299):
+        x = rng.normal(size=300) * 1e3
+        x[position] = bad
+        payload, _ = compressor.compress(tf.constant(x, dtype), step=0)
+        floats = [t for t in payload if t.dtype.is_floating]
+        assert floats and not all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in floats)

@@ -16,7 +16,6 @@ from tf_sparsify.heuristics import (
     clip_by_local_norm,
     dgc_density_schedule,
     local_clip_threshold,
-    sent_mask,
     with_density,
 )
 from tf_sparsify.pipeline import GradientPipeline
@@ -161,21 +160,24 @@ def test_momentum_correction_validates_inner_optimizer_and_factor():
         pipe.step(units, [tf.ones(4)], [tf.zeros(4)], tf.constant(0), LocalCollective())
 
 
-def test_sent_mask_marks_topk_and_randomk_entries():
+def test_sent_mask_marks_topk_and_randomk_entries_and_defaults_to_nonzero():
     x = tf.constant([0.0, -5.0, 1.0, 0.0, 3.0])
     topk = tfs.TopK(k=3)
     payload, ctx = topk.compress(x)
-    np.testing.assert_array_equal(sent_mask(topk, payload, ctx).numpy(), [0, 1, 1, 0, 1])
+    np.testing.assert_array_equal(topk.sent_mask(payload, ctx).numpy(), [0, 1, 1, 0, 1])
     # an entry selected with value 0 still counts as sent
     zeros = tf.zeros(4)
     payload, ctx = topk.compress(zeros)
-    np.testing.assert_array_equal(sent_mask(topk, payload, ctx).numpy(), [1, 1, 1, 0])
+    np.testing.assert_array_equal(topk.sent_mask(payload, ctx).numpy(), [1, 1, 1, 0])
     randk = tfs.RandomK(0.4, seed=3)
     payload, ctx = randk.compress(x, step=7, tensor_id=2)
     expected = np.zeros(5)
     expected[randk.indices(5, 7, 2).numpy()] = 1
-    np.testing.assert_array_equal(sent_mask(randk, payload, ctx).numpy(), expected)
+    np.testing.assert_array_equal(randk.sent_mask(payload, ctx).numpy(), expected)
     assert expected.sum() == 2
+    sign = tfs.ScaledSign()  # the default: where the decompressed payload is non-zero
+    payload, ctx = sign.compress(tf.constant([0.0, -2.0, 1.0]))
+    np.testing.assert_array_equal(sign.sent_mask(payload, ctx).numpy(), [1, 1, 1])
 
 
 def test_momentum_buffers_are_optimizer_state_and_config_round_trips():

@@ -41,6 +41,18 @@ class LocalCollective(Collective):
         return [t[None] for t in tensors]
 
 
+class SimulatedWorker(LocalCollective):
+    """Worker ``index`` of ``count`` simulated on one device: nothing travels, the RNG keys are
+    the worker's own, and its contribution enters the update divided by ``count``."""
+
+    def __init__(self, index: int, count: int):
+        self.index = index
+        self.divisor = float(count)
+
+    def replica_id(self) -> tf.Tensor:
+        return tf.constant(self.index, tf.int32)
+
+
 class ReplicaContextCollective(Collective):
     """tf.distribute: payloads travel through the current replica context."""
 

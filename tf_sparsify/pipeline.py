@@ -1,15 +1,26 @@
 """The one gradient pipeline every front end uses.
 
-For a list of gradients it: filters (``min_size``, ``None``), compensates with the error memory,
-compresses, exchanges through a :class:`~tf_sparsify.collectives.Collective`, decompresses,
-averages, and returns the updates, the new residuals and whether the step was finite. It holds
-no variables: the front end owns the residual variables and writes them.
+A step runs named stages on one :class:`Message` per planned unit: :meth:`~GradientPipeline.
+prepare` (densify, local clipping), :meth:`~GradientPipeline.compress` (momentum correction,
+compensation with the residual, compression), :meth:`~GradientPipeline.exchange` (through a
+:class:`~tf_sparsify.collectives.Collective`), :meth:`~GradientPipeline.decompress` (and
+average), then the updates, new residuals and momenta are assembled and, when asked,
+:meth:`~GradientPipeline.measure` records diagnostics. It holds no variables: the state core
+(:class:`~tf_sparsify.state.ExchangeState`) owns them and writes them back.
 
-Non-finite policy: a replica whose accumulated gradient (or, without error feedback, gradient)
-has a NaN or Inf marks its payload non-finite, so every replica's averaged update is non-finite
-and all of them agree the step is bad (``finite`` is False). Front ends then keep the residuals
-as they were (nothing is lost, nothing is poisoned) and hand the update on unchanged, so a
-``LossScaleOptimizer`` inside sees the overflow and skips the step.
+Buckets: units travel in buckets of about ``bucket_bytes`` of dense gradient, in backprop order
+(the last variables' gradients are ready first). A bucket's compression and exchange depend
+only on its own gradients, so the collectives of late layers can run while earlier gradients
+are still being computed (``scope="global"`` makes one unit of all gradients of a dtype: it
+cannot overlap).
+
+Non-finite policy: a step is finite when every bucket's received payloads are. Compressors
+whose payload shows a non-finite input (``reveals_non_finite``: TopK sends NaN and Inf first,
+QSGD's norms and the scales become non-finite, casts keep them) need nothing more; others mark
+their payload non-finite when what they keep (residual, momentum) would be. So every replica
+sees the same payloads and agrees whether the step is bad; the state core then keeps the
+residuals as they were (nothing is lost, nothing is poisoned) and the update goes on unchanged,
+so a ``LossScaleOptimizer`` inside sees the overflow and skips the step.
 """
 
 from __future__ import annotations
@@ -20,12 +31,23 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tf_sparsify.collectives import Collective
-from tf_sparsify.compressors.base import Compressor, check_float, dtype_bytes, serialize
+from tf_sparsify.compressors.base import (
+    Compressor,
+    Context,
+    Payload,
+    check_contraction,
+    check_float,
+    check_positive_int,
+    dtype_bytes,
+    serialize,
+)
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.heuristics import clipping, momentum
 from tf_sparsify.heuristics.measure import STAT_NAMES, unit_stats
 
 SCOPES = ("layer", "global")
+#: Default bucket size in bytes of dense gradient (as PyTorch DDP's bucket_cap_mb).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +59,8 @@ class Unit:
     dtype: tf.DType
     compressor: Compressor
     error_feedback: bool
+    #: the bucket the unit's payload travels in (0 travels first, in backprop order)
+    bucket: int = 0
 
     @property
     def num_elements(self) -> int:
@@ -49,6 +73,30 @@ class Unit:
     @property
     def dense_bytes(self) -> int:
         return self.num_elements * dtype_bytes(self.dtype)
+
+
+@dataclasses.dataclass
+class Message:
+    """One unit's trip through a step; each stage fills in its part."""
+
+    #: the unit as sent: only its variables that have a gradient
+    unit: Unit
+    #: the fresh gradient (the unit's gradients flattened and joined when there are several)
+    grad: tf.Tensor
+    #: what is compressed with the residual: ``grad``, or the momentum-corrected gradient
+    x: tf.Tensor
+    #: the residual before the step (error feedback), else ``None``
+    residual: tf.Tensor | None
+    payload: Payload
+    ctx: Context
+    #: the new residual (error feedback), else ``None``
+    remainder: tf.Tensor | None = None
+    #: the new momentum buffer (momentum correction), else ``None``
+    momentum: tf.Tensor | None = None
+    #: the payload after the exchange: summed, or stacked over replicas
+    received: Payload = ()
+    #: the decompressed, averaged update (stacked over replicas with ``per_replica``)
+    update: tf.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -84,7 +132,11 @@ class GradientPipeline:
             :mod:`tf_sparsify.heuristics.momentum`); the inner optimizer should then be plain SGD.
         local_clipnorm: clip each replica's gradients by their joint norm before accumulation,
             the threshold scaled by ``1/sqrt(num_replicas)`` (see
-            :mod:`tf_sparsify.heuristics.clipping`); ``None`` is off.
+            :mod:`tf_sparsify.heuristics.clipping`); ``None`` is off. It needs the norm of all
+            gradients, so no bucket can start before the last gradient is ready.
+        bucket_bytes: units travel in buckets of about this many bytes of dense gradient, in
+            backprop order (``None``: :data:`DEFAULT_BUCKET_BYTES`); a unit larger than that
+            travels alone.
     """
 
     def __init__(
@@ -96,6 +148,7 @@ class GradientPipeline:
         skip_1d: bool = False,
         momentum_correction: float = 0.0,
         local_clipnorm: float | None = None,
+        bucket_bytes: int | None = None,
     ):
         if not isinstance(compressor, Compressor):
             raise ValueError(
@@ -121,10 +174,32 @@ class GradientPipeline:
         self.skip_1d = skip_1d
         self.momentum_correction = momentum.check_momentum(momentum_correction)
         self.local_clipnorm = clipping.check_clipnorm(local_clipnorm)
+        self.bucket_bytes = (
+            DEFAULT_BUCKET_BYTES
+            if bucket_bytes is None
+            else check_positive_int("bucket_bytes", bucket_bytes)
+        )
+
+    def with_compressor(self, compressor: Compressor) -> GradientPipeline:
+        """The same pipeline with another compressor (error feedback as resolved here)."""
+        return GradientPipeline(
+            compressor,
+            self.error_feedback,
+            self.scope,
+            self.min_size,
+            skip_1d=self.skip_1d,
+            momentum_correction=self.momentum_correction,
+            local_clipnorm=self.local_clipnorm,
+            bucket_bytes=self.bucket_bytes,
+        )
 
     # -- planning (static, from shapes) -------------------------------------------------------
     def plan(self, shapes: Sequence[tf.TensorShape], dtypes: Sequence[tf.DType]) -> list[Unit]:
-        """The messages of one step for variables of these shapes and dtypes."""
+        """The messages of one step for variables of these shapes and dtypes.
+
+        ValueError when error feedback is on and the compressor does not contract at the size
+        of a message (see :meth:`Compressor.contraction`).
+        """
         compressed, dense = [], []
         for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
             check_float("gradient", dtype)
@@ -154,7 +229,10 @@ class GradientPipeline:
                     self.error_feedback,
                 )
             )
-        return sorted(units, key=lambda u: u.indices[0])
+        for unit in units:  # error feedback needs a contraction at the unit's size
+            if unit.error_feedback:
+                check_contraction(unit.compressor, unit.num_elements)
+        return _in_buckets(units, self.bucket_bytes)
 
     def needs_momentum(self, units: Sequence[Unit], num_variables: int) -> list[bool]:
         """Which variables need a momentum buffer (all planned ones with momentum correction)."""
@@ -196,94 +274,148 @@ class GradientPipeline:
         ``collective.num_replicas`` holding every replica's decompressed contribution (divided
         by ``divisor``); their sum is the usual update (for delayed updates and IAG).
         """
-        replica_id = collective.replica_id()
-        use_momentum = self.momentum_correction > 0
-        if use_momentum and momenta is None:
+        if self.momentum_correction > 0 and momenta is None:
             raise ValueError("Momentum correction is on: `momenta` must be given to step().")
-        if self.local_clipnorm is not None:
-            grads = clipping.clip_by_local_norm(
-                [None if g is None else _dense(g) for g in grads],
-                self.local_clipnorm,
-                collective.num_replicas,
-                collective.divisor,
-            )
-        active = [p for p in (_with_gradients(u, grads) for u in units) if p is not None]
-        messages, local_ok, probes = [], [], {}
-        new_momenta: list[tf.Tensor | None] | None = [None] * len(grads) if use_momentum else None
-        for unit in active:
-            g = _join([_dense(grads[i]) for i in unit.indices], unit.shapes)
-            x, e = g, None
-            if use_momentum:
-                buffer = _join([momenta[i] for i in unit.indices], unit.shapes)
-                x = momentum.accumulate_momentum(buffer, g, self.momentum_correction)
-            tensor_id = unit.indices[0]
-            if unit.error_feedback:
-                e = _join([residuals[i] for i in unit.indices], unit.shapes)
-                payload, ctx, remainder = unit.compressor.compress_with_feedback(
-                    x, e, step, tensor_id, replica_id
-                )
-                local_ok += [_all_finite(remainder)] + [_all_finite(t) for t in _floats(payload)]
-            else:
-                payload, ctx = unit.compressor.compress(x, step, tensor_id, replica_id)
-                remainder = None
-                if not isinstance(unit.compressor, Identity):
-                    local_ok.append(_all_finite(x))
-            if use_momentum:
-                buffer = x
-                if unit.error_feedback:
-                    buffer = momentum.mask_momentum(
-                        x, momentum.sent_mask(unit.compressor, payload, ctx)
-                    )
-                for i, part in zip(unit.indices, _split(buffer, unit.shapes), strict=True):
-                    new_momenta[i] = part
-            probes[_planned(units, unit).indices] = (unit, g, x, e, remainder, payload, ctx)
-            messages.append((unit, payload, ctx, remainder))
-
-        if local_ok:
-            ok = tf.reduce_all(tf.stack(local_ok))
-            poison = tf.where(ok, 0.0, float("nan"))
-            messages = [(u, _mark(p, poison), c, r) for u, p, c, r in messages]
-
-        def sums(unit: Unit) -> bool:
-            return unit.compressor.summable and not per_replica
-
-        summed = collective.all_reduce_sum([t for u, p, _, _ in messages if sums(u) for t in p])
-        gathered = collective.all_gather([t for u, p, _, _ in messages if not sums(u) for t in p])
-
-        summed, gathered = iter(summed), iter(gathered)
-        updates: list[tf.Tensor | None] = [None] * len(grads)
-        new_residuals: list[tf.Tensor | None] = [None] * len(grads)
+        grads = self.prepare(grads, collective)
+        replica_id = collective.replica_id()
+        buckets: dict[int, list[Message]] = {}
+        for unit in units:
+            sent = _with_gradients(unit, grads)
+            if sent is not None:
+                message = self.compress(sent, grads, residuals, momenta, step, replica_id)
+                buckets.setdefault(unit.bucket, []).append(message)
         finite = []
-        for unit, payload, ctx, remainder in messages:
-            source = summed if sums(unit) else gathered
-            received = tuple(next(source) for _ in payload)
+        for bucket in buckets.values():  # each bucket depends only on its own gradients
+            self.exchange(bucket, collective, per_replica)
+            finite.append(self.decompress(bucket, collective, per_replica))
+        messages = [m for bucket in buckets.values() for m in bucket]
+        result = _assemble(messages, len(grads), self.momentum_correction > 0, per_replica)
+        result.finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+        if measure is not None:
+            result.stats = self.measure(units, messages, measure, step, replica_id)
+        return result
+
+    def prepare(
+        self, grads: Sequence[tf.Tensor | None], collective: Collective
+    ) -> list[tf.Tensor | None]:
+        """Dense gradients (IndexedSlices from embeddings are densified: the residual is dense
+        anyway), clipped by their local norm when ``local_clipnorm`` is set."""
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        if self.local_clipnorm is None:
+            return grads
+        return clipping.clip_by_local_norm(
+            grads, self.local_clipnorm, collective.num_replicas, collective.divisor
+        )
+
+    def compress(
+        self,
+        unit: Unit,
+        grads: Sequence[tf.Tensor | None],
+        residuals: Sequence[tf.Tensor | None],
+        momenta: Sequence[tf.Tensor | None] | None,
+        step: tf.Tensor,
+        replica_id: tf.Tensor,
+    ) -> Message:
+        """Momentum correction, compensation with the residual and compression of one unit."""
+        compressor = unit.compressor
+        g = _join([grads[i] for i in unit.indices])
+        x, e, remainder = g, None, None
+        use_momentum = self.momentum_correction > 0
+        if use_momentum:
+            buffer = _join([momenta[i] for i in unit.indices])
+            x = momentum.accumulate_momentum(buffer, g, self.momentum_correction)
+        tensor_id = unit.indices[0]
+        if unit.error_feedback:
+            e = _join([residuals[i] for i in unit.indices])
+            payload, ctx, remainder = compressor.compress_with_feedback(
+                x, e, step, tensor_id, replica_id
+            )
+        else:
+            payload, ctx = compressor.compress(x, step, tensor_id, replica_id)
+        new_momentum = None
+        if use_momentum:
+            new_momentum = x
+            if unit.error_feedback:
+                new_momentum = momentum.mask_momentum(x, compressor.sent_mask(payload, ctx))
+        kept = [t for t in (remainder, new_momentum) if t is not None]
+        if kept and not compressor.reveals_non_finite:
+            # what this replica keeps would be non-finite: make the payload say so
+            ok = tf.reduce_all(tf.stack([_all_finite(t) for t in kept]))
+            payload = _mark(payload, ok)
+        return Message(unit, g, x, e, payload, ctx, remainder, new_momentum)
+
+    def exchange(self, bucket: list[Message], collective: Collective, per_replica: bool) -> None:
+        """One all-reduce of the bucket's summable payloads and one all-gather of the others
+        (all by all-gather with ``per_replica``); fills ``received``."""
+        summed = [m for m in bucket if m.unit.compressor.summable and not per_replica]
+        gathered = [m for m in bucket if not (m.unit.compressor.summable and not per_replica)]
+        for group, move in ((summed, collective.all_reduce_sum), (gathered, collective.all_gather)):
+            received = iter(move([t for m in group for t in m.payload]))
+            for m in group:
+                m.received = tuple(next(received) for _ in m.payload)
+
+    def decompress(
+        self, bucket: list[Message], collective: Collective, per_replica: bool
+    ) -> tf.Tensor:
+        """Decompress and average the bucket's received payloads (fills ``update``); returns
+        whether they are all finite, which every replica agrees on (it sees the same payloads)."""
+        for m in bucket:
+            compressor, received = m.unit.compressor, m.received
             if per_replica:
                 total = tf.stack(
                     [
-                        unit.compressor.decompress(tuple(t[r] for t in received), ctx)
+                        compressor.decompress(tuple(t[r] for t in received), m.ctx)
                         for r in range(collective.num_replicas)
                     ]
                 )
-            elif unit.compressor.summable:
-                total = unit.compressor.decompress(received, ctx)
+            elif compressor.summable:
+                total = compressor.decompress(received, m.ctx)
             else:
-                total = unit.compressor.decompress_sum(received, ctx, collective.num_replicas)
+                total = compressor.decompress_sum(received, m.ctx, collective.num_replicas)
             if collective.divisor != 1:
                 total = total * tf.cast(1.0 / collective.divisor, total.dtype)
-            finite.append(_all_finite(total))
-            parts = _split(total, unit.shapes, leading=int(per_replica))
-            for i, part in zip(unit.indices, parts, strict=True):
-                updates[i] = part
-            if remainder is not None:
-                for i, part in zip(unit.indices, _split(remainder, unit.shapes), strict=True):
-                    new_residuals[i] = part
-        all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
-        stats = None
-        if measure is not None:
-            stats = _measure(units, probes, measure, step, replica_id)
-        return StepResult(
-            updates, new_residuals, all_finite, new_momenta, stats, bytes_per_step(active)
-        )
+            m.update = total
+        checks = [_all_finite(t) for m in bucket for t in m.received if t.dtype.is_floating]
+        return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+    def measure(
+        self,
+        units: Sequence[Unit],
+        messages: Sequence[Message],
+        flag: tf.Tensor | bool,
+        step: tf.Tensor,
+        replica_id: tf.Tensor,
+    ) -> tf.Tensor:
+        """``[len(units), 5]`` stats rows of this replica, computed only when ``flag`` is True
+        (zeros otherwise; zeros too for a unit none of whose variables had a gradient)."""
+        width = len(STAT_NAMES)
+        by_unit = {_planned(units, m.unit).indices: m for m in messages}
+
+        def compute() -> tf.Tensor:
+            rows = []
+            for planned in units:
+                m = by_unit.get(planned.indices)
+                if m is None:
+                    rows.append(tf.zeros([width], tf.float64))
+                    continue
+                compressor = m.unit.compressor
+                acc = m.x if m.residual is None else m.x + m.residual
+                error = m.remainder
+                if error is None:
+                    error = acc - compressor.decompress(m.payload, m.ctx)
+                if compressor.is_identity:
+                    grad_error = tf.zeros_like(m.grad)
+                else:  # the same compressor on the fresh gradient alone
+                    tensor_id = m.unit.indices[0]
+                    fresh, fresh_ctx = compressor.compress(m.grad, step, tensor_id, replica_id)
+                    grad_error = m.grad - compressor.decompress(fresh, fresh_ctx)
+                rows.append(unit_stats(m.grad, acc, error, grad_error))
+            return tf.stack(rows) if rows else tf.zeros([0, width], tf.float64)
+
+        def skip() -> tf.Tensor:
+            return tf.zeros([len(units), width], tf.float64)
+
+        return tf.cond(tf.convert_to_tensor(flag, tf.bool), compute, skip)
 
     def get_config(self) -> dict:
         return {
@@ -299,42 +431,17 @@ class GradientPipeline:
                 else {}
             ),
             **({"local_clipnorm": self.local_clipnorm} if self.local_clipnorm is not None else {}),
+            **(
+                {"bucket_bytes": self.bucket_bytes}
+                if self.bucket_bytes != DEFAULT_BUCKET_BYTES
+                else {}
+            ),
         }
 
 
 def bytes_per_step(units: Sequence[Unit]) -> tuple[int, int]:
     """``(wire bytes, dense bytes)`` one replica sends per step for these messages."""
     return sum(u.wire_bytes for u in units), sum(u.dense_bytes for u in units)
-
-
-def _measure(units: Sequence[Unit], probes: dict, flag, step, replica_id) -> tf.Tensor:
-    """``[len(units), 5]`` stats rows, computed only when ``flag`` is True (zeros otherwise)."""
-    width = len(STAT_NAMES)
-
-    def compute():
-        rows = []
-        for planned in units:
-            if planned.indices not in probes:
-                rows.append(tf.zeros([width], tf.float64))
-                continue
-            # the unit as sent: its variables that had a gradient
-            unit, g, x, e, remainder, payload, ctx = probes[planned.indices]
-            acc = x if e is None else x + e
-            error = remainder
-            if error is None:
-                error = acc - unit.compressor.decompress(payload, ctx)
-            if isinstance(unit.compressor, Identity):
-                grad_error = tf.zeros_like(g)
-            else:  # the same compressor on the fresh gradient alone
-                fresh, fresh_ctx = unit.compressor.compress(g, step, unit.indices[0], replica_id)
-                grad_error = g - unit.compressor.decompress(fresh, fresh_ctx)
-            rows.append(unit_stats(g, acc, error, grad_error))
-        return tf.stack(rows) if rows else tf.zeros([0, width], tf.float64)
-
-    def skip():
-        return tf.zeros([len(units), width], tf.float64)
-
-    return tf.cond(tf.convert_to_tensor(flag, tf.bool), compute, skip)
 
 
 def _with_gradients(unit: Unit, grads: Sequence[tf.Tensor | None]) -> Unit | None:
@@ -356,12 +463,40 @@ def _planned(units: Sequence[Unit], part: Unit) -> Unit:
     return next(u for u in units if part.indices[0] in u.indices)
 
 
-def _dense(grad) -> tf.Tensor:
-    """IndexedSlices (Embedding gradients) become dense: the residual is dense anyway."""
-    return tf.convert_to_tensor(grad)
+def _in_buckets(units: list[Unit], bucket_bytes: int) -> list[Unit]:
+    """``units`` (in variable order) with buckets of about ``bucket_bytes`` dense bytes
+    assigned in backprop order: the last variables' gradients are computed first."""
+    bucket, filled, placed = 0, 0, {}
+    for unit in sorted(units, key=lambda u: -max(u.indices)):
+        if filled and filled + unit.dense_bytes > bucket_bytes:
+            bucket, filled = bucket + 1, 0
+        filled += unit.dense_bytes
+        placed[unit.indices] = dataclasses.replace(unit, bucket=bucket)
+    return [placed[u.indices] for u in sorted(units, key=lambda u: u.indices[0])]
 
 
-def _join(tensors: list[tf.Tensor], shapes: tuple[tf.TensorShape, ...]) -> tf.Tensor:
+def _assemble(
+    messages: list[Message], count: int, with_momenta: bool, per_replica: bool
+) -> StepResult:
+    """Per-variable updates, residuals and momenta from the messages' joined tensors."""
+    updates: list[tf.Tensor | None] = [None] * count
+    residuals: list[tf.Tensor | None] = [None] * count
+    momenta: list[tf.Tensor | None] | None = [None] * count if with_momenta else None
+    for m in messages:
+        indices, shapes = m.unit.indices, m.unit.shapes
+        for i, part in zip(indices, _split(m.update, shapes, int(per_replica)), strict=True):
+            updates[i] = part
+        if m.remainder is not None:
+            for i, part in zip(indices, _split(m.remainder, shapes), strict=True):
+                residuals[i] = part
+        if m.momentum is not None:
+            for i, part in zip(indices, _split(m.momentum, shapes), strict=True):
+                momenta[i] = part
+    sent = bytes_per_step([m.unit for m in messages])
+    return StepResult(updates, residuals, tf.constant(True), momenta, sent_bytes=sent)
+
+
+def _join(tensors: list[tf.Tensor]) -> tf.Tensor:
     """One tensor as it is, several flattened and concatenated."""
     if len(tensors) == 1:
         return tensors[0]
@@ -379,14 +514,15 @@ def _split(
     return [tf.reshape(p, lead.concatenate(s)) for p, s in zip(parts, shapes, strict=True)]
 
 
-def _floats(payload) -> list[tf.Tensor]:
-    return [t for t in payload if t.dtype.is_floating]
-
-
 def _all_finite(t: tf.Tensor) -> tf.Tensor:
     return tf.reduce_all(tf.math.is_finite(t))
 
 
-def _mark(payload, poison: tf.Tensor):
-    """Add ``poison`` (0 or NaN) to every float tensor of the payload."""
-    return tuple(t + tf.cast(poison, t.dtype) if t.dtype.is_floating else t for t in payload)
+def _mark(payload: Payload, ok: tf.Tensor) -> Payload:
+    """The payload with NaN added to its float tensors unless ``ok``."""
+    return tuple(mark_non_finite(t, ok) if t.dtype.is_floating else t for t in payload)
+
+
+def mark_non_finite(tensor: tf.Tensor, ok: tf.Tensor) -> tf.Tensor:
+    """``tensor`` unchanged when ``ok``, all NaN otherwise (so a later check sees the bad step)."""
+    return tensor + tf.cast(tf.where(ok, 0.0, float("nan")), tensor.dtype)

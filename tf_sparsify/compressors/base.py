@@ -57,6 +57,11 @@ class Compressor:
     unbiased: ClassVar[bool] = False
     summable: ClassVar[bool] = False
     randomized: ClassVar[bool] = False
+    #: the payload is the tensor itself (nothing to decode, no error)
+    is_identity: ClassVar[bool] = False
+    #: a non-finite input always makes a float tensor of the payload non-finite, so receivers
+    #: see a bad step in the payload itself (the pipeline then needs no separate check)
+    reveals_non_finite: ClassVar[bool] = False
     #: whether ``compress`` needs the tensor's size at trace time (the payload layout uses it)
     needs_static_shape: ClassVar[bool] = True
     _unkeyed_steps: tf.Variable | None = None
@@ -115,6 +120,15 @@ class Compressor:
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         """Exact bytes of the payload for a tensor of ``num_elements`` entries of ``dtype``."""
         raise NotImplementedError
+
+    def sent_mask(self, payload: Payload, ctx: Context) -> tf.Tensor:
+        """1 where this payload carries an entry of the tensor, 0 elsewhere (``ctx``'s shape and
+        dtype); by default where the decompressed payload is non-zero."""
+        return tf.cast(tf.not_equal(self.decompress(payload, ctx), 0), ctx.dtype)
+
+    def entries_sent(self, num_elements: int) -> int | None:
+        """How many entries a payload carries for a tensor of ``num_elements``, when fixed."""
+        return None
 
     def variance_bound(self, num_elements: int) -> float | None:
         """``beta`` with ``E||C(x) - x||^2 <= beta ||x||^2`` for an unbiased compressor."""
@@ -271,6 +285,13 @@ def rng_seed(
         key = tf.random.experimental.stateless_fold_in(key, tf.cast(data, tf.int64), alg="philox")
         key = tf.cast(key[:2], tf.int64)
     return key
+
+
+def ones_at(indices: tf.Tensor, ctx: Context) -> tf.Tensor:
+    """1 at the distinct flat ``indices``, 0 elsewhere, in ``ctx``'s shape and dtype."""
+    ones = tf.ones_like(indices, dtype=ctx.dtype)
+    flat = tf.scatter_nd(tf.reshape(indices, [-1, 1]), ones, [ctx.num_elements])
+    return tf.reshape(flat, ctx.shape)
 
 
 def dtype_bytes(dtype: tf.DType) -> int:

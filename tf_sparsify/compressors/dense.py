@@ -12,6 +12,11 @@ class Identity(Compressor):
 
     unbiased = True
     summable = True
+    is_identity = True
+    reveals_non_finite = True
+
+    def entries_sent(self, num_elements: int) -> int:
+        return num_elements
     needs_static_shape = False
 
     def variance_bound(self, num_elements: int) -> float:
@@ -37,6 +42,7 @@ class _Cast(Compressor):
 
     unbiased = False
     summable = True
+    reveals_non_finite = True  # NaN and Inf are cast as they are; finite values saturate
     needs_static_shape = False
     wire_dtype: tf.DType
     #: ``u``: round to nearest errs by at most ``u |x|`` inside the wire type's normal range

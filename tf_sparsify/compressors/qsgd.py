@@ -34,6 +34,7 @@ class QSGD(Compressor):
     unbiased = True
     summable = False
     randomized = True
+    reveals_non_finite = True  # a bucket's norm is NaN or Inf
 
     def __init__(self, levels: int, bucket_size: int | None = None, seed: int = 0):
         self.levels = check_positive_int("levels", levels, maximum=MAX_LEVELS)

@@ -14,6 +14,7 @@ from tf_sparsify.compressors.base import (
     check_seed,
     dtype_bytes,
     k_for,
+    ones_at,
     rng_seed,
 )
 
@@ -36,6 +37,13 @@ class RandomK(Compressor):
 
     def num_selected(self, num_elements: int) -> int:
         return k_for(num_elements, self.ratio, None)
+
+    def entries_sent(self, num_elements: int) -> int:
+        return self.num_selected(num_elements)
+
+    def sent_mask(self, payload: Payload, ctx: Context) -> tf.Tensor:
+        """1 at the step's shared indices."""
+        return ones_at(self.indices(ctx.num_elements, ctx.step, ctx.tensor_id), ctx)
 
     def variance_bound(self, num_elements: int) -> float:
         """``d/k - 1`` (0 if empty); below 1, so contracting, for every d when ``ratio > 1/2``."""

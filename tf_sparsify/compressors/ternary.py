@@ -26,6 +26,7 @@ class TernGrad(Compressor):
     unbiased = True
     summable = False
     randomized = True
+    reveals_non_finite = True  # the scale max|x| is NaN or Inf
 
     def __init__(self, seed: int = 0):
         self.seed = check_seed(seed)
@@ -69,6 +70,7 @@ class ScaledSign(Compressor):
 
     unbiased = False
     summable = False
+    reveals_non_finite = True  # the scale (mean |x|) is NaN or Inf
 
     def contraction(self, num_elements: int) -> float:
         """``1/d``: ``||x - C(x)||^2 = ||x||^2 - ||x||_1^2 / d`` and ``||x||_1 >= ||x||``."""

@@ -15,6 +15,7 @@ from tf_sparsify.compressors.base import (
     check_ratio,
     dtype_bytes,
     k_for,
+    ones_at,
 )
 from tf_sparsify.ops.reference import index_dtype
 
@@ -30,6 +31,7 @@ class TopK(Compressor):
 
     unbiased = False
     summable = False
+    reveals_non_finite = True  # NaN and Inf rank above every finite value: they are sent
 
     def __init__(self, ratio: float | None = None, k: int | None = None):
         if (ratio is None) == (k is None):
@@ -41,6 +43,13 @@ class TopK(Compressor):
 
     def num_selected(self, num_elements: int) -> int:
         return k_for(num_elements, self.ratio, self.k)
+
+    def entries_sent(self, num_elements: int) -> int:
+        return self.num_selected(num_elements)
+
+    def sent_mask(self, payload: Payload, ctx: Context) -> tf.Tensor:
+        """1 at the selected indices (also where the selected value is 0)."""
+        return ones_at(payload[1], ctx)
 
     def contraction(self, num_elements: int) -> float:
         """``k / d``: the k largest entries hold at least that share of ``||x||^2``."""

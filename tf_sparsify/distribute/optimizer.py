@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src import backend
-from keras.src.utils import tracking
 
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.distribute.servers import Server, deserialize_server, serialize_server
-from tf_sparsify.distribute.simulated import SimulatedWorker
+from tf_sparsify.keras import compat
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
-from tf_sparsify.pipeline import StepResult
+from tf_sparsify.pipeline import StepResult, mark_non_finite
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
@@ -72,13 +69,14 @@ class ServerOptimizer(SparsifiedOptimizer):
                 "`local_clipnorm` is not supported with simulated `workers`; "
                 f"received local_clipnorm={self.pipeline.local_clipnorm!r}, workers={workers!r}"
             )
+        self._state.workers = workers
         self.server = server
         self.workers = workers
         self.num_workers = workers
         self._tables = []
 
     # -- state --------------------------------------------------------------------------------
-    @tracking.no_automatic_dependency_tracking
+    @compat.no_automatic_dependency_tracking
     def build(self, var_list):
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if self.workers is not None and replicas > 1:
@@ -89,24 +87,16 @@ class ServerOptimizer(SparsifiedOptimizer):
         self.num_workers = self.workers or replicas
         self.server.check_workers(self.num_workers)
         super().build(var_list)
-        self._tables = [self._add_table(v) for v in var_list]
-
-    def _add_residual(self, variable, suffix: str = "residual"):
-        """Per-worker buffers: ``[P, *shape]`` when workers are simulated."""
-        if self.workers is not None:
-            variable = types.SimpleNamespace(
-                shape=(self.workers, *variable.shape), dtype=variable.dtype, name=variable.name
+        self._tables = [
+            compat.replica_variable(
+                self,
+                (*self.server.table_dims(self.num_workers), *v.shape),
+                v.dtype,
+                f"{v.name}_table",
+                "only_first_replica",  # every replica writes the identical value it computed
             )
-        return super()._add_residual(variable, suffix)
-
-    def _add_table(self, variable) -> backend.Variable:
-        """The server table; every replica writes the identical value it computed."""
-        return self.add_replica_variable(
-            (*self.server.table_dims(self.num_workers), *variable.shape),
-            variable.dtype,
-            f"{variable.name}_table",
-            "only_first_replica",
-        )
+            for v in var_list
+        ]
 
     @property
     def tables(self) -> list:
@@ -114,50 +104,18 @@ class ServerOptimizer(SparsifiedOptimizer):
         return list(self._tables)
 
     # -- one step -----------------------------------------------------------------------------
-    def exchange(self, grads: list, collective: Collective, measure=None) -> StepResult:
-        """Every worker's contribution through the pipeline, then through the server."""
-        return self._serve(self._contributions(grads, collective, measure))
-
-    def _contributions(self, grads: list, collective: Collective, measure) -> StepResult:
-        residuals = _values(self._residuals)
-        momenta = None
-        if self.pipeline.momentum_correction > 0:
-            momenta = _values(self._momenta)
-        step = self._iterations
-        if self.workers is None:
-            if collective.num_replicas != self.num_workers:
-                raise ValueError(
-                    f"ServerOptimizer was built for {self.num_workers} workers but runs on "
-                    f"{collective.num_replicas} replicas."
-                )
-            return self.pipeline.step(
-                self._units, grads, residuals, step, collective, momenta, measure, per_replica=True
+    def exchange(self, grads: list, collective: Collective) -> StepResult:
+        """Every worker's contribution through the state core, then through the server."""
+        if self.workers is None and collective.num_replicas != self.num_workers:
+            raise ValueError(
+                f"ServerOptimizer was built for {self.num_workers} workers but runs on "
+                f"{collective.num_replicas} replicas."
             )
-        for g, v in zip(grads, self._trainable_variables, strict=True):
-            if g is not None and tuple(g.shape) != (self.workers, *v.shape):
-                raise ValueError(
-                    f"With workers={self.workers}, gradients must be stacked per worker: expected "
-                    f"shape {(self.workers, *v.shape)} for {v.name}, received {tuple(g.shape)}."
-                )
-        parts = [
-            self.pipeline.step(
-                self._units,
-                _row(grads, p),
-                _row(residuals, p),
-                step,
-                SimulatedWorker(p, self.workers),
-                None if momenta is None else _row(momenta, p),
-                measure,
-                per_replica=True,
-            )
-            for p in range(self.workers)
-        ]
-        return _stack_workers(parts)
+        step = tf.identity(self._state.step)  # the step before the state advances it
+        return self._serve(self._state.run(grads, collective, per_replica=True), step)
 
-    def _serve(self, result: StepResult) -> StepResult:
-        step = self._iterations
+    def _serve(self, result: StepResult, step: tf.Tensor) -> StepResult:
         schedule = self.server.schedule(step, self.num_workers)
-        poison = tf.where(result.finite, 0.0, float("nan"))
         updates = []
         for table, contributions in zip(self._tables, result.updates, strict=True):
             if contributions is None:
@@ -167,7 +125,7 @@ class ServerOptimizer(SparsifiedOptimizer):
                 table.value, contributions, step, schedule, result.finite
             )
             table.assign(new_table)
-            updates.append(update + tf.cast(poison, update.dtype))
+            updates.append(mark_non_finite(update, result.finite))
         return dataclasses.replace(result, updates=updates)
 
     # -- serialization ------------------------------------------------------------------------
@@ -182,37 +140,3 @@ class ServerOptimizer(SparsifiedOptimizer):
         config = dict(config)
         config["server"] = deserialize_server(config["server"])
         return super().from_config(config, custom_objects)
-
-
-def _values(variables: list) -> list:
-    return [None if v is None else v.value for v in variables]
-
-
-def _row(tensors: list, p: int) -> list:
-    return [None if t is None else tf.convert_to_tensor(t)[p] for t in tensors]
-
-
-def _stack_workers(parts: list[StepResult]) -> StepResult:
-    """One StepResult for all simulated workers: contributions ``[P, ...]``, buffers stacked."""
-
-    def join(lists, combine):
-        return [
-            None if column[0] is None else combine(list(column))
-            for column in zip(*lists, strict=True)
-        ]
-
-    first = parts[0]
-    momenta = None
-    if first.momenta is not None:
-        momenta = join([r.momenta for r in parts], tf.stack)
-    stats = None
-    if first.stats is not None:
-        stats = tf.reduce_mean(tf.stack([r.stats for r in parts]), axis=0)
-    return StepResult(
-        updates=join([r.updates for r in parts], lambda ts: tf.concat(ts, axis=0)),
-        residuals=join([r.residuals for r in parts], tf.stack),
-        finite=tf.reduce_all(tf.stack([r.finite for r in parts])),
-        momenta=momenta,
-        stats=stats,
-        sent_bytes=first.sent_bytes,
-    )

@@ -1,4 +1,5 @@
-"""P workers simulated on one device: a collective per worker and a Keras model that splits batches.
+"""P workers simulated on one device: a Keras model that splits batches (and, re-exported, the
+collective of one simulated worker).
 
 Keras' ``train_step`` computes one gradient per batch. :class:`SimulatedWorkers` wraps a model so
 that ``fit`` splits each batch into ``P`` contiguous parts, computes each part's gradient of its
@@ -15,20 +16,10 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_sparsify.collectives import LocalCollective
+from tf_sparsify.collectives import SimulatedWorker
 from tf_sparsify.keras.optimizer import find_sparsified
 
-
-class SimulatedWorker(LocalCollective):
-    """Worker ``index`` of ``count`` on one device: nothing travels, the RNG keys are the
-    worker's own, and its contribution enters the update divided by ``count``."""
-
-    def __init__(self, index: int, count: int):
-        self.index = index
-        self.divisor = float(count)
-
-    def replica_id(self) -> tf.Tensor:
-        return tf.constant(self.index, tf.int32)
+__all__ = ["SimulatedWorker", "SimulatedWorkers"]
 
 
 class SimulatedWorkers(keras.Model):

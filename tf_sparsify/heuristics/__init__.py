@@ -21,7 +21,6 @@ from tf_sparsify.heuristics.momentum import (
     accumulate_momentum,
     check_momentum,
     mask_momentum,
-    sent_mask,
 )
 from tf_sparsify.heuristics.warmup import DensitySchedule, dgc_density_schedule, with_density
 
@@ -36,7 +35,6 @@ __all__ = [
     "gap_bound",
     "local_clip_threshold",
     "mask_momentum",
-    "sent_mask",
     "summarize",
     "unit_stats",
     "with_density",

@@ -51,16 +51,14 @@ def gap_bound(compressor: Compressor, num_elements: int) -> float | None:
     delta = compressor.contraction(num_elements)
     if delta is not None:
         return math.sqrt(max(0.0, 1.0 - delta))
-    if compressor.unbiased and hasattr(compressor, "variance_bound"):
-        return math.sqrt(compressor.variance_bound(num_elements))
-    return None
+    beta = beta_bound(compressor, num_elements)
+    return None if beta is None else math.sqrt(beta)
 
 
 def beta_bound(compressor: Compressor, num_elements: int) -> float | None:
     """``variance_bound(d)`` of an unbiased quantizer, else ``None``."""
-    if compressor.unbiased and hasattr(compressor, "variance_bound"):
-        return float(compressor.variance_bound(num_elements))
-    return None
+    beta = compressor.variance_bound(num_elements) if compressor.unbiased else None
+    return None if beta is None else float(beta)
 
 
 def _ratio(num: float, den: float) -> float:
@@ -102,7 +100,7 @@ def summarize(
         bound = gap_bound(unit.compressor, n)
         bounds.append(bound)
         b_bound = beta_bound(unit.compressor, n)
-        compressed = type(unit.compressor).__name__ != "Identity"
+        compressed = not unit.compressor.is_identity
         if compressed and b_bound is None:
             betas_ok = False
         if per_unit:
@@ -123,19 +121,10 @@ def summarize(
     out["residual_norm"] = math.sqrt(total["res_sq"])
     out["grad_norm"] = math.sqrt(total["grad_sq"])
     out["density"] = total["sent"] / max(elements, 1)
-    promised = [_promised(u) for u in units]
+    promised = [u.compressor.entries_sent(u.num_elements) for u in units]
     if all(p is not None for p in promised):
         out["wire_density"] = sum(promised) / max(elements, 1)
-    if betas_ok and any(type(u.compressor).__name__ != "Identity" for u in units):
+    if betas_ok and any(not u.compressor.is_identity for u in units):
         out["beta"] = total["error_sq"] / total["input_sq"] if total["input_sq"] > 0 else 0.0
         out["beta_bound"] = max(beta_bound(u.compressor, u.num_elements) for u in units)
     return out
-
-
-def _promised(unit) -> int | None:
-    """Entries the compressor promises to send for this unit, when it says."""
-    if type(unit.compressor).__name__ == "Identity":
-        return unit.num_elements
-    if hasattr(unit.compressor, "num_selected"):
-        return unit.compressor.num_selected(unit.num_elements)
-    return None

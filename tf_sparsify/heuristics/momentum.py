@@ -21,8 +21,6 @@ import math
 
 import tensorflow as tf
 
-from tf_sparsify.compressors.base import Compressor, Context, Payload
-
 
 def check_momentum(momentum) -> float:
     """A momentum factor in ``[0, 1)``; 0 means off."""
@@ -44,28 +42,7 @@ def accumulate_momentum(buffer: tf.Tensor, grad: tf.Tensor, momentum: float) -> 
     return tf.constant(momentum, grad.dtype) * buffer + grad
 
 
-def sent_mask(compressor: Compressor, payload: Payload, ctx: Context) -> tf.Tensor:
-    """1 where this replica's payload carries an entry, 0 elsewhere (shape and dtype of ctx).
-
-    TopK: the selected indices (also entries selected with value 0). RandomK: the shared
-    indices of the step. Any other compressor: where the decompressed payload is non-zero.
-    """
-    from tf_sparsify.compressors.randomk import RandomK
-    from tf_sparsify.compressors.topk import TopK
-
-    n = ctx.num_elements
-    if isinstance(compressor, TopK):
-        indices = payload[1]
-    elif isinstance(compressor, RandomK):
-        indices = compressor.indices(n, ctx.step, ctx.tensor_id)
-    else:
-        sent = tf.not_equal(compressor.decompress(payload, ctx), 0)
-        return tf.cast(sent, ctx.dtype)
-    ones = tf.ones_like(indices, dtype=ctx.dtype)
-    flat = tf.scatter_nd(tf.reshape(indices, [-1, 1]), ones, [n])
-    return tf.reshape(tf.minimum(flat, 1), ctx.shape)
-
-
 def mask_momentum(buffer: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
-    """``u`` with the sent entries set to zero."""
+    """``u`` with the sent entries (``mask > 0``, from the compressor's ``sent_mask``) set to
+    zero."""
     return tf.where(mask > 0, tf.zeros_like(buffer), buffer)

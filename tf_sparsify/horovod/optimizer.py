@@ -6,12 +6,12 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.utils import tracking
 
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.horovod.check import check_once, plan_fields
 from tf_sparsify.horovod.collective import HorovodCollective
+from tf_sparsify.keras import compat
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 
 
@@ -47,7 +47,7 @@ class DistributedOptimizer(SparsifiedOptimizer):
         self._plan_checked = None
         self._horovod_bytes = None
 
-    @tracking.no_automatic_dependency_tracking
+    @compat.no_automatic_dependency_tracking
     def build(self, var_list):
         super().build(var_list)
         # Local state, deliberately outside the optimizer's variables and checkpoints.
@@ -61,7 +61,7 @@ class DistributedOptimizer(SparsifiedOptimizer):
         return self._horovod_bytes
 
     def collective(self) -> HorovodCollective:
-        gate = check_once(self._plan_checked, plan_fields(self.pipeline, self._units))
+        gate = check_once(self._plan_checked, plan_fields(self.pipeline, self.units))
         return HorovodCollective(after=gate, counter=self._horovod_bytes)
 
     def set_compressor(self, compressor: Compressor) -> None:

@@ -26,23 +26,28 @@ from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.horovod.check import check_once, plan_fields
 from tf_sparsify.horovod.collective import HorovodCollective
-from tf_sparsify.pipeline import GradientPipeline, bytes_per_step
+from tf_sparsify.pipeline import GradientPipeline
+from tf_sparsify.state import ExchangeState
 
 
 class GradientExchange(tf.Module):
     """Compress, exchange through Horovod and average one list of gradients per step.
 
-    The same :class:`~tf_sparsify.pipeline.GradientPipeline` and
+    The same :class:`~tf_sparsify.pipeline.GradientPipeline`,
+    :class:`~tf_sparsify.state.ExchangeState` and
     :class:`~tf_sparsify.horovod.HorovodCollective` as
-    :class:`~tf_sparsify.horovod.DistributedOptimizer`, with its state held here: one residual
-    variable per compressed variable with error feedback (created on the first call), the step
-    counter that keys random choices, and the byte counters ``bytes_sent`` (the pipeline's wire
-    bytes, summed over steps) and ``bytes_to_horovod`` (what the collectives handed to Horovod;
-    not checkpointed). An exchange serves one list of variables; its first call in each process
-    runs the ranks' configuration check (also after a restore from a checkpoint).
+    :class:`~tf_sparsify.horovod.DistributedOptimizer`, with the state held here: residuals
+    (error feedback), momentum buffers (``momentum_correction``), the step counter that keys
+    random choices, the byte counters ``bytes_sent`` / ``dense_bytes`` and, with
+    ``diagnostics_every``, the diagnostics record — made on the first call, checkpointed with
+    this module (``tf.train.Checkpoint(exchange=...)``). ``bytes_to_horovod`` (what the
+    collectives handed to Horovod) is not checkpointed. An exchange serves one list of
+    variables; its first call in each process runs the ranks' configuration check (also after
+    a restore from a checkpoint).
 
     Args: as :class:`~tf_sparsify.pipeline.GradientPipeline` (``compressor=None`` is
-    ``Identity()``).
+    ``Identity()``), plus ``diagnostics_every`` (record the norm gap, residual norm and density
+    every that many steps in :attr:`diagnostics`; 0 is off).
     """
 
     def __init__(
@@ -53,23 +58,71 @@ class GradientExchange(tf.Module):
         min_size: int = 0,
         skip_1d: bool = False,
         local_clipnorm: float | None = None,
+        momentum_correction: float = 0.0,
+        bucket_bytes: int | None = None,
+        diagnostics_every: int = 0,
         name: str | None = None,
     ):
         super().__init__(name=name)
-        self.pipeline = GradientPipeline(
+        pipeline = GradientPipeline(
             Identity() if compressor is None else compressor,
             error_feedback,
             scope,
             min_size,
             skip_1d=skip_1d,
+            momentum_correction=momentum_correction,
             local_clipnorm=local_clipnorm,
+            bucket_bytes=bucket_bytes,
         )
-        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        self.bytes_sent = tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_sent")
-        self.residuals: list[tf.Variable | None] | None = None
+        #: the state's variables in the order they were made (what checkpoints hold)
+        self._state_variables: list[tf.Variable] = []
+        self._state = ExchangeState(pipeline, self._make_variable)
+        self._state.step = self._make_variable("step", (), tf.int64, "shared")
+        self._state.enable_diagnostics(diagnostics_every)
         # The plan and per-process state, kept out of checkpoints (a plain object is not
         # tracked by tf.Module).
         self._local = _Untracked()
+
+    def _make_variable(self, name: str, shape, dtype, kind: str) -> tf.Variable:
+        del kind  # one process is one replica: every variable is its own
+        with tf.init_scope():
+            variable = tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)
+        self._state_variables.append(variable)
+        return variable
+
+    @property
+    def pipeline(self) -> GradientPipeline:
+        return self._state.pipeline
+
+    @property
+    def step(self) -> tf.Variable:
+        return self._state.step
+
+    @property
+    def bytes_sent(self) -> tf.Variable | None:
+        return self._state.bytes_sent
+
+    @property
+    def dense_bytes(self) -> tf.Variable | None:
+        return self._state.dense_bytes
+
+    @property
+    def residuals(self) -> list:
+        return list(self._state.residuals)
+
+    @property
+    def momenta(self) -> list:
+        return list(self._state.momenta)
+
+    @property
+    def diagnostics(self) -> tf.Variable | None:
+        """The ``[units, 5]`` diagnostics record (rows :attr:`diagnostics_names`, columns
+        :data:`~tf_sparsify.heuristics.measure.STAT_NAMES`), with ``diagnostics_every``."""
+        return self._state.diagnostics
+
+    @property
+    def diagnostics_names(self) -> tuple[str, ...]:
+        return self._state.names
 
     @property
     def bytes_to_horovod(self) -> tf.Variable:
@@ -78,55 +131,35 @@ class GradientExchange(tf.Module):
     @property
     def units(self) -> list:
         """The planned messages of one step (empty before the first call)."""
-        return list(self._local.units)
+        return list(self._state.units)
 
     @property
     def wire_bytes_per_step(self) -> int:
-        return bytes_per_step(self.units)[0]
+        return self._state.bytes_per_step[0]
 
     def needs_state(self) -> bool:
-        """Whether this exchange must outlive one tape: it keeps residuals or draws randomness
-        (an unbiased compressor other than ``Identity`` is randomized)."""
-        compressor = self.pipeline.compressor
-        randomized = compressor.unbiased and not isinstance(compressor, Identity)
-        return self.pipeline.error_feedback or randomized
+        """Whether this exchange must outlive one tape: it keeps residuals or momenta, or
+        draws randomness."""
+        pipeline = self.pipeline
+        stateful = pipeline.error_feedback or pipeline.momentum_correction > 0
+        return stateful or pipeline.compressor.randomized
 
     def average(
         self, grads: Sequence[tf.Tensor | None], variables: Sequence
     ) -> list[tf.Tensor | None]:
         """The mean over ranks of the decompressed payloads, aligned with ``grads``.
 
-        ``None`` gradients stay ``None`` (and their variables' messages are skipped).
-        Residuals are written only when the step was finite on every rank.
+        ``None`` gradients stay ``None`` (their variables' state is left alone). Residuals and
+        momenta are written only when the step was finite on every rank.
         """
         grads, variables = list(grads), list(variables)
         self._build(variables)
-        units = self._local.units
-        gate = check_once(self._local.checked, plan_fields(self.pipeline, units))
+        gate = check_once(self._local.checked, plan_fields(self.pipeline, self._state.units))
         collective = HorovodCollective(after=gate, counter=self._local.horovod_bytes)
-        residuals = [None if r is None else r.value() for r in self.residuals]
-        result = self.pipeline.step(units, grads, residuals, self.step.value(), collective)
-        pairs = [
-            (r, new)
-            for r, new in zip(self.residuals, result.residuals, strict=True)
-            if r is not None and new is not None
-        ]
-        if pairs:
-
-            def store() -> tf.Tensor:
-                for r, new in pairs:
-                    r.assign(new)
-                return tf.constant(True)
-
-            tf.cond(result.finite, store, lambda: tf.constant(False))
-        self.bytes_sent.assign_add(result.sent_bytes[0])
-        self.step.assign_add(1)
-        return result.updates
+        return self._state.run(grads, collective).updates
 
     def _build(self, variables: list) -> None:
-        shapes = [tf.TensorShape(v.shape) for v in variables]
-        dtypes = [tf.as_dtype(v.dtype) for v in variables]
-        signature = [(s.as_list(), d.name) for s, d in zip(shapes, dtypes, strict=True)]
+        signature = [(list(v.shape), tf.as_dtype(v.dtype).name) for v in variables]
         if self._local.signature is not None:
             if signature != self._local.signature:
                 raise ValueError(
@@ -135,14 +168,10 @@ class GradientExchange(tf.Module):
                     "list of variables."
                 )
             return
-        units = self.pipeline.plan(shapes, dtypes)
-        needs = self.pipeline.needs_residual(units, len(variables))
-        with tf.init_scope():
-            self.residuals = [
-                tf.Variable(tf.zeros(s, d), trainable=False, name=f"residual_{i}") if need else None
-                for i, (s, d, need) in enumerate(zip(shapes, dtypes, needs, strict=True))
-            ]
-        self._local.units = units
+        if self._state.built:  # restored: the buffers exist, only the plan is per process
+            self._state.set_pipeline(self.pipeline, variables)
+        else:
+            self._state.build(variables)
         self._local.signature = signature
 
 
@@ -202,10 +231,9 @@ class DistributedGradientTape:
 
 
 class _Untracked:
-    """The plan, and the per-process check flag and Horovod byte counter."""
+    """The variables' signature, and the per-process check flag and Horovod byte counter."""
 
     def __init__(self):
-        self.units: list = []
         self.signature: list | None = None
         self.checked = tf.Variable(False, trainable=False, name="plan_checked")
         self.horovod_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="horovod_bytes")

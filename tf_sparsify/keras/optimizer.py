@@ -6,16 +6,12 @@ import warnings
 from typing import Any
 
 import keras
-import tensorflow as tf
-from keras import initializers
-from keras.src import backend
-from keras.src.saving import serialization_lib
-from keras.src.utils import tracking
 
 from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
-from tf_sparsify.heuristics.measure import STAT_NAMES
-from tf_sparsify.pipeline import GradientPipeline, StepResult, bytes_per_step
+from tf_sparsify.keras import compat
+from tf_sparsify.pipeline import GradientPipeline, StepResult
+from tf_sparsify.state import ExchangeState
 
 _BASE_OPTIONS = (
     "weight_decay",
@@ -117,6 +113,7 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         momentum_correction: float = 0.0,
         local_clipnorm: float | None = None,
         diagnostics_every: int = 0,
+        bucket_bytes: int | None = None,
         **kwargs: Any,
     ):
         for option in _BASE_OPTIONS:
@@ -135,7 +132,7 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
             )
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
-        self.pipeline = GradientPipeline(
+        pipeline = GradientPipeline(
             compressor,
             error_feedback,
             scope,
@@ -143,110 +140,104 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
             skip_1d=skip_1d,
             momentum_correction=momentum_correction,
             local_clipnorm=local_clipnorm,
+            bucket_bytes=bucket_bytes,
         )
-        if self.pipeline.momentum_correction > 0:
+        if pipeline.momentum_correction > 0:
             _check_no_inner_momentum(inner_optimizer)
-        self.diagnostics_every = _check_every(diagnostics_every)
-        self._units = []
-        self._residuals = []
-        self._momenta = []
-        self._diagnostics = None
+        self._state = ExchangeState(
+            pipeline, self._make_variable, step=compat.iterations_variable(self)
+        )
+        self._state.enable_diagnostics(diagnostics_every)
+
+    @property
+    def pipeline(self) -> GradientPipeline:
+        return self._state.pipeline
 
     @property
     def compressor(self) -> Compressor:
         return self.pipeline.compressor
 
     # -- state --------------------------------------------------------------------------------
-    @tracking.no_automatic_dependency_tracking
+    @compat.no_automatic_dependency_tracking
     def build(self, var_list):
-        self._units = self.pipeline.plan([v.shape for v in var_list], [v.dtype for v in var_list])
-        needs = self.pipeline.needs_residual(self._units, len(var_list))
-        self._residuals = [
-            self._add_residual(v) if need else None for v, need in zip(var_list, needs, strict=True)
-        ]
-        momenta = self.pipeline.needs_momentum(self._units, len(var_list))
-        self._momenta = [
-            self._add_residual(v, suffix="momentum") if need else None
-            for v, need in zip(var_list, momenta, strict=True)
-        ]
-        self.wire_bytes_per_step, self.dense_bytes_per_step = bytes_per_step(self._units)
-        self.bytes_sent = self.add_variable(
-            (), dtype="int64", aggregation="only_first_replica", name="bytes_sent"
-        )
-        self.dense_bytes = self.add_variable(
-            (), dtype="int64", aggregation="only_first_replica", name="dense_bytes"
-        )
-        self.diagnostics_names = tuple(_unit_name(u, var_list) for u in self._units)
-        if self.diagnostics_every:
-            self._build_diagnostics()
+        self._state.build(var_list)
         self.inner_optimizer.build(var_list)
-        _disable_dense_all_reduce(self.inner_optimizer)
+        compat.disable_dense_all_reduce(self.inner_optimizer)
         # Keras' build would also make EMA and accumulator variables for the options read
         # through to the inner optimizer, which keeps its own: only index the variables here.
-        self._trainable_variables_indices = {self._var_key(v): i for i, v in enumerate(var_list)}
-        self._trainable_variables = list(var_list)
+        compat.index_variables(self, var_list)
         self.built = True
 
-    def add_replica_variable(self, shape, dtype, name: str, aggregation: str) -> backend.Variable:
-        """A zero optimizer variable of which each replica writes only its own copy
-        (sync-on-read; ``aggregation`` says how a cross-replica read combines the copies)."""
-        with backend.name_scope(self.name, caller=self):
-            variable = backend.Variable(
-                initializer=initializers.Zeros(),
-                shape=shape,
-                dtype=dtype,
-                trainable=False,
-                aggregation=aggregation,
-                synchronization="on_read",
-                name=name,
+    def _make_variable(self, name: str, shape, dtype, kind: str) -> keras.Variable:
+        """The state's variables as optimizer variables (saved and checkpointed with it)."""
+        if kind == "shared":
+            return self.add_variable(
+                shape, dtype=dtype, aggregation="only_first_replica", name=name
             )
-        self._track_variable(variable)
-        return variable
+        aggregation = "mean" if kind == "per_replica_mean" else "sum"
+        return compat.replica_variable(self, shape, dtype, name, aggregation)
 
-    def _add_residual(self, variable, suffix: str = "residual") -> backend.Variable:
-        """A zero residual per replica, summed when read across replicas."""
-        return self.add_replica_variable(
-            variable.shape, variable.dtype, f"{variable.name}_{suffix}", "sum"
-        )
-
-    @tracking.no_automatic_dependency_tracking
-    def _build_diagnostics(self) -> None:
-        """The diagnostics record: per-replica stats rows (read as the mean over replicas) and
-        the number of steps done when they were recorded (0: never)."""
-        if self._diagnostics is not None:
-            return
-        self._diagnostics = self.add_replica_variable(
-            (len(self._units), len(STAT_NAMES)), "float64", "diagnostics", "mean"
-        )
-        self.diagnostics_step = self.add_variable(
-            (), dtype="int64", aggregation="only_first_replica", name="diagnostics_step"
-        )
+    @property
+    def diagnostics_every(self) -> int:
+        return self._state.diagnostics_every
 
     def enable_diagnostics(self, every: int) -> None:
         """Record diagnostics every ``every`` steps from the next trace of the train step on
         (callers that already traced it must retrace: ``model.make_train_function(force=True)``).
         A built optimizer creates its diagnostics variables here: call it under the model's
         distribution strategy scope."""
-        self.diagnostics_every = _check_every(every)
-        if self.diagnostics_every and self.built:
-            self._build_diagnostics()
+        self._state.enable_diagnostics(every)
 
     @property
     def diagnostics(self):
         """The ``[units, 5]`` diagnostics variable (``None`` until diagnostics are enabled and
         the optimizer is built); rows follow ``diagnostics_names``, columns
         :data:`~tf_sparsify.heuristics.measure.STAT_NAMES`."""
-        return self._diagnostics
+        return self._state.diagnostics
+
+    @property
+    def diagnostics_step(self):
+        """The number of steps done when the diagnostics were last recorded (0: never)."""
+        return self._state.diagnostics_step
+
+    @property
+    def diagnostics_names(self) -> tuple[str, ...]:
+        """The name of each planned message: the variable's path, or ``global_<dtype>``."""
+        return self._state.names
 
     @property
     def units(self) -> list:
         """The planned messages (:class:`~tf_sparsify.pipeline.Unit`) of one step."""
-        return list(self._units)
+        return list(self._state.units)
+
+    @property
+    def residuals(self) -> list:
+        """The residual variable of each trainable variable (``None`` where there is none)."""
+        return list(self._state.residuals)
 
     @property
     def momenta(self) -> list:
         """The momentum buffer of each trainable variable (momentum correction), or ``None``."""
-        return list(self._momenta)
+        return list(self._state.momenta)
+
+    @property
+    def bytes_sent(self):
+        """Payload bytes this replica sent, summed over steps."""
+        return self._state.bytes_sent
+
+    @property
+    def dense_bytes(self):
+        """What the same steps would have sent uncompressed."""
+        return self._state.dense_bytes
+
+    @property
+    def wire_bytes_per_step(self) -> int:
+        """Payload bytes of a step in which every variable has a gradient."""
+        return self._state.bytes_per_step[0]
+
+    @property
+    def dense_bytes_per_step(self) -> int:
+        return self._state.bytes_per_step[1]
 
     def set_compressor(self, compressor: Compressor) -> None:
         """Use ``compressor`` from the next trace of the train step on (e.g. a new density).
@@ -255,35 +246,8 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         carry over. The plan and the byte counts are recomputed, so the statistics stay
         truthful once the step is retraced (``model.make_train_function(force=True)``).
         """
-        old = self.pipeline
-        pipeline = GradientPipeline(
-            deserialize(compressor),
-            old.error_feedback,
-            old.scope,
-            old.min_size,
-            skip_1d=old.skip_1d,
-            momentum_correction=old.momentum_correction,
-            local_clipnorm=old.local_clipnorm,
-        )
-        if self.built:
-            variables = self._trainable_variables
-            units = pipeline.plan([v.shape for v in variables], [v.dtype for v in variables])
-            if pipeline.needs_residual(units, len(variables)) != old.needs_residual(
-                self._units, len(variables)
-            ):
-                raise ValueError(
-                    f"compressor={compressor!r} needs other residual buffers than the optimizer "
-                    "was built with."
-                )
-            self._units = units
-            self.wire_bytes_per_step, self.dense_bytes_per_step = bytes_per_step(units)
-            self.diagnostics_names = tuple(_unit_name(u, variables) for u in units)
-        self.pipeline = pipeline
-
-    @property
-    def residuals(self) -> list:
-        """The residual variable of each trainable variable (``None`` where there is none)."""
-        return list(self._residuals)
+        variables = compat.trainable_variables(self) if self.built else None
+        self._state.set_pipeline(self.pipeline.with_compressor(deserialize(compressor)), variables)
 
     @property
     def variables(self):
@@ -357,28 +321,16 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         else:
             variables = list(trainable_variables)
             if not self.built:
-                with backend.name_scope(self.name, caller=self):
+                with keras.name_scope(self.name, caller=self):
                     self.build(variables)
-            self._check_variables_are_known(variables)
+            compat.check_variables_are_known(self, variables)
+        built_for = compat.trainable_variables(self)
         ordered = self._in_build_order(grads, variables)
         # Keras' checks: "No gradients provided" for all-None, a warning for some None.
-        self._filter_empty_gradients(grads, variables or self._trainable_variables)
-        record = None
-        if self.diagnostics_every and self._diagnostics is not None:
-            record = tf.equal(self._iterations % self.diagnostics_every, 0)
-        result = self.exchange(ordered, self.collective(), measure=record)
-        with backend.name_scope(self.name, caller=self):
-            self._write_residuals(result)
-            if record is not None:
-                self._write_diagnostics(result, record)
-            self.bytes_sent.assign_add(result.sent_bytes[0])
-            self.dense_bytes.assign_add(result.sent_bytes[1])
-            self._iterations.assign_add(1)
-        pairs = [
-            (u, v)
-            for u, v in zip(result.updates, self._trainable_variables, strict=True)
-            if u is not None
-        ]
+        compat.check_gradients(self, grads, variables or built_for)
+        with keras.name_scope(self.name, caller=self):
+            result = self.exchange(ordered, self.collective())
+        pairs = [(u, v) for u, v in zip(result.updates, built_for, strict=True) if u is not None]
         if pairs:
             self.inner_optimizer.apply([u for u, _ in pairs], [v for _, v in pairs])
 
@@ -395,76 +347,35 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         """
         return current_collective()
 
-    def exchange(self, grads: list, collective: Collective, measure=None) -> StepResult:
-        """Run the pipeline on gradients in build order, with this step's RNG key."""
-        residuals = [None if r is None else r.value for r in self._residuals]
-        momenta = None
-        if self.pipeline.momentum_correction > 0:
-            momenta = [None if m is None else m.value for m in self._momenta]
-        return self.pipeline.step(
-            self._units,
-            grads,
-            residuals,
-            self._iterations,
-            collective,
-            momenta=momenta,
-            measure=measure,
-        )
-
-    def _write_diagnostics(self, result: StepResult, record: tf.Tensor) -> None:
-        """Keep the stats of recording steps (written every step: no write inside a branch)."""
-        self._diagnostics.assign(tf.where(record, result.stats, self._diagnostics.value))
-        done = self._iterations + 1
-        self.diagnostics_step.assign(tf.where(record, done, self.diagnostics_step.value))
+    def exchange(self, grads: list, collective: Collective) -> StepResult:
+        """One step of the state core on gradients in build order (residuals, momenta,
+        counters and diagnostics are updated)."""
+        return self._state.run(grads, collective)
 
     def _in_build_order(self, grads: list, variables: list | None) -> list:
+        count = len(compat.trainable_variables(self))
         if variables is None:
-            if len(grads) != len(self._trainable_variables):
-                raise ValueError(
-                    f"Expected {len(self._trainable_variables)} gradients, received {len(grads)}."
-                )
+            if len(grads) != count:
+                raise ValueError(f"Expected {count} gradients, received {len(grads)}.")
             return grads
-        ordered = [None] * len(self._trainable_variables)
+        ordered = [None] * count
         for g, v in zip(grads, variables, strict=True):
-            ordered[self._get_variable_index(v)] = g
+            ordered[compat.variable_index(self, v)] = g
         return ordered
-
-    def _write_residuals(self, result: StepResult) -> None:
-        """Store the new residuals only when the whole step was finite everywhere."""
-        pairs = [
-            (r, new)
-            for r, new in zip(self._residuals, result.residuals, strict=True)
-            if r is not None and new is not None
-        ]
-        if result.momenta is not None:
-            pairs += [
-                (m, new)
-                for m, new in zip(self._momenta, result.momenta, strict=True)
-                if m is not None and new is not None
-            ]
-        if not pairs:
-            return
-
-        def store():
-            for r, new in pairs:
-                r.assign(new)
-            return tf.constant(True)
-
-        tf.cond(result.finite, store, lambda: tf.constant(False))
 
     # -- serialization ------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
         config = self.pipeline.get_config()
         if self.diagnostics_every:
             config["diagnostics_every"] = self.diagnostics_every
-        config["inner_optimizer"] = serialization_lib.serialize_keras_object(self.inner_optimizer)
+        config["inner_optimizer"] = keras.saving.serialize_keras_object(self.inner_optimizer)
         config["name"] = self.name
         return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects=None) -> SparsifiedOptimizer:
         config = dict(config)
-        inner = serialization_lib.deserialize_keras_object(
+        inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         compressor = deserialize(config.pop("compressor"))
@@ -478,14 +389,6 @@ def find_sparsified(optimizer) -> SparsifiedOptimizer | None:
             return optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return None
-
-
-def _check_every(every) -> int:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise ValueError(
-            f"`diagnostics_every` must be an integer >= 0; received diagnostics_every={every!r}"
-        )
-    return every
 
 
 def _check_no_inner_momentum(optimizer) -> None:
@@ -505,27 +408,3 @@ def _check_no_inner_momentum(optimizer) -> None:
         "will apply its own update rule to the momentum-corrected updates.",
         stacklevel=3,
     )
-
-
-def _unit_name(unit, variables) -> str:
-    """The variable's path for a one-variable message, ``global_<dtype>`` for a group."""
-    if len(unit.indices) == 1:
-        variable = variables[unit.indices[0]]
-        return getattr(variable, "path", None) or variable.name
-    return f"global_{unit.dtype.name}"
-
-
-def _pass_through(grads_and_vars):
-    return list(grads_and_vars)
-
-
-def _disable_dense_all_reduce(optimizer) -> None:
-    """Turn off the dense gradient all-reduce of Keras' TF optimizers down a wrapper chain.
-
-    The TF backend all-reduces gradients inside ``apply`` when a replica context is active;
-    the update we hand on is already the cross-replica average, so that reduction must not
-    run. The inner chain belongs to the wrapper, so this is done once, at build.
-    """
-    while optimizer is not None:
-        optimizer._all_reduce_sum_gradients = _pass_through
-        optimizer = getattr(optimizer, "inner_optimizer", None)

@@ -1,0 +1,259 @@
+"""``ExchangeState``: the per-replica state of a gradient exchange, and its one update rule.
+
+Every front end (the Keras wrapper, Horovod's ``DistributedOptimizer`` and
+``GradientExchange``, ``ServerOptimizer``) keeps the same state: error-feedback residuals, DGC
+momentum buffers, the step counter that keys random choices, byte counters and the diagnostics
+record. This class owns it and its update: after each step the residuals and momenta are
+written only when the step was finite on every replica (nothing is lost, nothing is poisoned),
+the counters advance by what was actually sent. Front ends say only how a variable is made
+(``make_variable``) and how payloads travel (a :class:`~tf_sparsify.collectives.Collective`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import tensorflow as tf
+
+from tf_sparsify.collectives import Collective, SimulatedWorker
+from tf_sparsify.heuristics.measure import STAT_NAMES
+from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
+
+#: ``"per_replica"``: each replica writes its own copy, summed when read across replicas
+#: (residuals, momenta); ``"per_replica_mean"``: the same, averaged (diagnostics);
+#: ``"shared"``: one value (counters; the first replica's).
+Kind = Literal["per_replica", "per_replica_mean", "shared"]
+#: ``make_variable(name, shape, dtype, kind)``: a zero variable, tracked by the front end.
+VariableFactory = Callable[[str, tuple[int, ...], tf.DType, Kind], Any]
+
+
+class ExchangeState:
+    """Residuals, momenta, step, byte counters and diagnostics of one list of variables.
+
+    Args:
+        pipeline: what a step does with the gradients.
+        make_variable: the front end's way to make (and track) a zero variable.
+        step: a counter variable to use as the step (the Keras optimizer's own iterations);
+            ``None`` makes one named ``"step"``.
+        workers: ``P`` workers simulated on one replica: buffers get a leading axis of ``P``
+            and :meth:`run` takes gradients stacked as ``[P, *shape]``.
+    """
+
+    def __init__(
+        self,
+        pipeline: GradientPipeline,
+        make_variable: VariableFactory,
+        step=None,
+        workers: int | None = None,
+    ):
+        self.pipeline = pipeline
+        self._make = make_variable
+        self.step = step
+        self.workers = workers
+        self.units: list[Unit] = []
+        self.residuals: list = []
+        self.momenta: list = []
+        self.names: tuple[str, ...] = ()
+        self.bytes_sent = self.dense_bytes = None
+        self.diagnostics = self.diagnostics_step = None
+        self.diagnostics_every = 0
+
+    @property
+    def built(self) -> bool:
+        return self.bytes_sent is not None
+
+    # -- state --------------------------------------------------------------------------------
+    def build(self, variables: Sequence) -> None:
+        """Plan the messages for ``variables`` and make their buffers and counters."""
+        shapes = [tf.TensorShape(v.shape) for v in variables]
+        dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        names = [getattr(v, "path", None) or v.name for v in variables]
+        leaves = [_leaf(v.name) for v in variables]
+        self.units = self.pipeline.plan(shapes, dtypes)
+        lead = () if self.workers is None else (self.workers,)
+
+        def buffers(needs: list[bool], suffix: str) -> list:
+            return [
+                self._make(f"{leaf}_{suffix}", lead + tuple(s), d, "per_replica") if need else None
+                for leaf, s, d, need in zip(leaves, shapes, dtypes, needs, strict=True)
+            ]
+
+        self.residuals = buffers(
+            self.pipeline.needs_residual(self.units, len(variables)), "residual"
+        )
+        self.momenta = buffers(self.pipeline.needs_momentum(self.units, len(variables)), "momentum")
+        if self.step is None:
+            self.step = self._make("step", (), tf.int64, "shared")
+        self.bytes_sent = self._make("bytes_sent", (), tf.int64, "shared")
+        self.dense_bytes = self._make("dense_bytes", (), tf.int64, "shared")
+        self.names = tuple(_unit_name(u, names) for u in self.units)
+        if self.diagnostics_every:
+            self._build_diagnostics()
+
+    def enable_diagnostics(self, every: int) -> None:
+        """Record the diagnostics every ``every`` steps (0: off); makes their variables when
+        built (call it under the strategy scope the state was built in)."""
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(
+                f"`diagnostics_every` must be an integer >= 0; received diagnostics_every={every!r}"
+            )
+        self.diagnostics_every = every
+        if every and self.built:
+            self._build_diagnostics()
+
+    def _build_diagnostics(self) -> None:
+        if self.diagnostics is None:
+            width = len(STAT_NAMES)
+            shape = (len(self.units), width)
+            self.diagnostics = self._make("diagnostics", shape, tf.float64, "per_replica_mean")
+            self.diagnostics_step = self._make("diagnostics_step", (), tf.int64, "shared")
+
+    def set_pipeline(self, pipeline: GradientPipeline, variables: Sequence | None) -> None:
+        """Use ``pipeline`` from now on; when built (``variables`` given), its plan must need
+        the same buffers, which carry over."""
+        if variables is not None and self.built:
+            shapes = [tf.TensorShape(v.shape) for v in variables]
+            units = pipeline.plan(shapes, [tf.as_dtype(v.dtype) for v in variables])
+            n = len(variables)
+            if pipeline.needs_residual(units, n) != self.pipeline.needs_residual(self.units, n):
+                raise ValueError(
+                    f"compressor={pipeline.compressor!r} needs other residual buffers than the "
+                    "state was built with."
+                )
+            self.units = units
+            names = [getattr(v, "path", None) or v.name for v in variables]
+            self.names = tuple(_unit_name(u, names) for u in units)
+        self.pipeline = pipeline
+
+    @property
+    def bytes_per_step(self) -> tuple[int, int]:
+        """``(wire, dense)`` bytes of a step in which every variable has a gradient."""
+        return bytes_per_step(self.units)
+
+    # -- one step -----------------------------------------------------------------------------
+    def run(self, grads: Sequence, collective: Collective, per_replica: bool = False) -> StepResult:
+        """One step: exchange ``grads`` (build order), then update the state.
+
+        ``per_replica``: every replica's (or simulated worker's) contribution is returned
+        along a leading axis (for delayed updates and IAG).
+        """
+        grads = list(grads)
+        record = None
+        if self.diagnostics is not None:
+            record = tf.equal(self.step % self.diagnostics_every, 0)
+        if self.workers is None:
+            result = self.pipeline.step(
+                self.units,
+                grads,
+                _values(self.residuals),
+                self.step,
+                collective,
+                momenta=_values(self.momenta) if self.pipeline.momentum_correction else None,
+                measure=record,
+                per_replica=per_replica,
+            )
+        else:
+            result = self._run_workers(grads, record)
+        self._write_back(result, record)
+        return result
+
+    def _run_workers(self, grads: list, record) -> StepResult:
+        """The pipeline once per simulated worker, each with its row of the buffers."""
+        for g in grads:
+            if g is not None and g.shape[0] != self.workers:
+                raise ValueError(
+                    f"With workers={self.workers}, gradients must be stacked per worker "
+                    f"([{self.workers}, ...]); received a gradient of shape {tuple(g.shape)}."
+                )
+        residuals, momenta = _values(self.residuals), _values(self.momenta)
+        use_momenta = self.pipeline.momentum_correction > 0
+        parts = [
+            self.pipeline.step(
+                self.units,
+                _row(grads, p),
+                _row(residuals, p),
+                self.step,
+                SimulatedWorker(p, self.workers),
+                momenta=_row(momenta, p) if use_momenta else None,
+                measure=record,
+                per_replica=True,
+            )
+            for p in range(self.workers)
+        ]
+        return _stack_workers(parts)
+
+    def _write_back(self, result: StepResult, record) -> None:
+        """Buffers only when the step was finite everywhere; counters always."""
+        buffers = [(self.residuals, result.residuals), (self.momenta, result.momenta)]
+        pairs = [
+            (variable, new)
+            for variables, news in buffers
+            if news is not None
+            for variable, new in zip(variables, news, strict=True)
+            if variable is not None and new is not None
+        ]
+        if pairs:
+
+            def store() -> tf.Tensor:
+                for variable, new in pairs:
+                    variable.assign(new)
+                return tf.constant(True)
+
+            tf.cond(result.finite, store, lambda: tf.constant(False))
+        if record is not None:
+            self.diagnostics.assign(
+                tf.where(record, result.stats, tf.convert_to_tensor(self.diagnostics))
+            )
+            done = tf.cast(self.step + 1, tf.int64)
+            previous = tf.convert_to_tensor(self.diagnostics_step)
+            self.diagnostics_step.assign(tf.where(record, done, previous))
+        self.bytes_sent.assign_add(result.sent_bytes[0])
+        self.dense_bytes.assign_add(result.sent_bytes[1])
+        self.step.assign_add(1)
+
+
+def _leaf(name: str) -> str:
+    """A variable's name usable in another variable's name (``tf.Variable`` names have
+    scopes and ``:0``)."""
+    return name.replace("/", "_").replace(":", "_")
+
+
+def _unit_name(unit: Unit, names: Sequence[str]) -> str:
+    """The variable's path for a one-variable message, ``global_<dtype>`` for a group."""
+    if len(unit.indices) == 1:
+        return names[unit.indices[0]]
+    return f"global_{unit.dtype.name}"
+
+
+def _values(variables: list) -> list:
+    """The current value of each variable (this replica's copy), ``None`` kept."""
+    return [None if v is None else tf.convert_to_tensor(v) for v in variables]
+
+
+def _row(tensors: list, p: int) -> list:
+    return [None if t is None else tf.convert_to_tensor(t)[p] for t in tensors]
+
+
+def _stack_workers(parts: list[StepResult]) -> StepResult:
+    """One StepResult for all simulated workers: contributions ``[P, ...]``, buffers stacked."""
+
+    def join(lists, combine):
+        return [
+            None if column[0] is None else combine(list(column))
+            for column in zip(*lists, strict=True)
+        ]
+
+    first = parts[0]
+    stats = None
+    if first.stats is not None:
+        stats = tf.reduce_mean(tf.stack([r.stats for r in parts]), axis=0)
+    return dataclasses.replace(
+        first,
+        updates=join([r.updates for r in parts], lambda ts: tf.concat(ts, axis=0)),
+        residuals=join([r.residuals for r in parts], tf.stack),
+        finite=tf.reduce_all(tf.stack([r.finite for r in parts])),
+        momenta=None if first.momenta is None else join([r.momenta for r in parts], tf.stack),
+        stats=stats,
+    )
