@@ -17,8 +17,7 @@ import math
 
 import numpy as np
 
-from tf_sparsify.compressors.base import Compressor
-from tf_sparsify.distribute.servers import check_delay
+from tf_sparsify.compressors.base import Compressor, check_positive_int
 
 
 def max_step_size(L: float, tau: int) -> float:
@@ -30,7 +29,7 @@ def max_step_size(L: float, tau: int) -> float:
     """
     if isinstance(L, bool) or not isinstance(L, int | float) or not math.isfinite(L) or L <= 0:
         raise ValueError(f"`L` must be a finite number > 0; received L={L!r}")
-    tau = check_delay(tau, "tau")
+    tau = check_positive_int("tau", tau, minimum=0)
     return 2.0 / (L * (1.0 + math.sqrt(1.0 + 8.0 * tau * (tau + 1))))
 
 

@@ -18,13 +18,12 @@ runs repeat, and every replica draws the same.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify.compressors.base import check_seed, rng_seed
+from tf_sparsify.compressors.base import check_positive_int, check_seed, rng_seed
 
 DELAY_MODELS = ("fixed", "random", "per_replica")
 #: the ``tensor_id`` of the servers' RNG stream: no tensor has it, so a server never draws the
@@ -90,9 +89,11 @@ class DelayedGradients(Server):
                     "`delay` must be a non-empty list of integers >= 0 (one per worker) with "
                     f"model='per_replica'; received delay={delay!r}"
                 )
-            self.delay: int | tuple[int, ...] = tuple(check_delay(d, "delay") for d in delay)
+            self.delay: int | tuple[int, ...] = tuple(
+                check_positive_int("delay", d, minimum=0) for d in delay
+            )
         else:
-            self.delay = check_delay(delay, "delay")
+            self.delay = check_positive_int("delay", delay, minimum=0)
         self.model = model
         self.seed = check_seed(seed)
 
@@ -220,13 +221,6 @@ class IAG(Server):
 
 
 _SERVERS = {"DelayedGradients": DelayedGradients, "IAG": IAG}
-
-
-def check_delay(value: Any, name: str = "tau") -> int:
-    """An integer >= 0 (a float such as 2.0 is rejected)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"`{name}` must be an integer >= 0; received {name}={value!r}")
-    return int(value)
 
 
 def serialize_server(server: Server) -> dict[str, Any]:
