@@ -80,35 +80,48 @@ class ReplicaContextCollective(Collective):
         return out
 
     def all_gather(self, tensors):
-        """Tensors of dtypes TF's collectives lack travel as their bytes packed in int32."""
+        """One all-gather for all ``tensors``: their bytes packed into one int32 vector (TF's
+        collectives run one round per tensor and lack some dtypes)."""
         if not tensors:
             return []
-        wire = [t[None] if t.dtype in _REDUCIBLE else _to_int32(t)[None] for t in tensors]
-        gathered = self.context.all_gather(wire, axis=0)
-        return [
-            g if t.dtype in _REDUCIBLE else _from_int32(g, t)
-            for g, t in zip(gathered, tensors, strict=True)
-        ]
+        words = [_to_int32(t) for t in tensors]
+        sizes = [w.shape[0] for w in words]
+        if any(size is None for size in sizes):  # no static layout: one gather per tensor
+            gathered = self.context.all_gather([w[None] for w in words], axis=0)
+        else:
+            packed = tf.concat(words, axis=0) if len(words) > 1 else words[0]
+            gathered = tf.split(self.context.all_gather(packed[None], axis=0), sizes, axis=1)
+        return [_from_int32(g, t) for g, t in zip(gathered, tensors, strict=True)]
 
 
 _REDUCIBLE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
 def _to_int32(t: tf.Tensor) -> tf.Tensor:
-    """The bytes of ``t`` zero-padded to a multiple of 4 and viewed as int32."""
+    """The bytes of ``t`` (zero-padded to a multiple of 4) as a flat int32 vector."""
+    if t.dtype.size % 4 == 0:
+        return tf.reshape(tf.bitcast(t, tf.int32), [-1])
     raw = tf.reshape(tf.bitcast(tf.reshape(t, [-1, 1]), tf.uint8), [-1])
-    raw = tf.pad(raw, [[0, (-tf.size(raw)) % 4]])
+    pad = (-raw.shape[0]) % 4 if raw.shape[0] is not None else (-tf.size(raw)) % 4
+    raw = tf.pad(raw, [[0, pad]])
     return tf.bitcast(tf.reshape(raw, [-1, 4]), tf.int32)
 
 
 def _from_int32(gathered: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
     """Inverse of :func:`_to_int32` for a ``[replicas, words]`` gather of tensors like ``like``."""
     replicas = tf.shape(gathered)[0]
-    raw = tf.reshape(tf.bitcast(gathered, tf.uint8), [replicas, -1])
+    shape = tf.concat([[replicas], tf.shape(like)], axis=0)
     size = like.dtype.size
+    if size % 4 == 0:
+        words = tf.reshape(gathered, [replicas, -1, size // 4])
+        values = (
+            tf.bitcast(words, like.dtype) if size > 4 else tf.bitcast(words[..., 0], like.dtype)
+        )
+        return tf.reshape(values, shape)
+    raw = tf.reshape(tf.bitcast(gathered, tf.uint8), [replicas, -1])
     raw = tf.reshape(raw[:, : tf.size(like) * size], [replicas, -1, size])
     values = tf.bitcast(raw, like.dtype) if size > 1 else tf.bitcast(raw[..., 0], like.dtype)
-    return tf.reshape(values, tf.concat([[replicas], tf.shape(like)], axis=0))
+    return tf.reshape(values, shape)
 
 
 def current_collective() -> Collective:
