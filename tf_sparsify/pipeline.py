@@ -135,8 +135,8 @@ class GradientPipeline:
             :mod:`tf_sparsify.heuristics.clipping`); ``None`` is off. It needs the norm of all
             gradients, so no bucket can start before the last gradient is ready.
         bucket_bytes: units travel in buckets of about this many bytes of dense gradient, in
-            backprop order (``None``: :data:`DEFAULT_BUCKET_BYTES`); a unit larger than that
-            travels alone.
+            backprop order (``None``: :data:`DEFAULT_BUCKET_BYTES`); a bucket is closed once it
+            holds that many bytes or more.
     """
 
     def __init__(
@@ -464,14 +464,15 @@ def _planned(units: Sequence[Unit], part: Unit) -> Unit:
 
 
 def _in_buckets(units: list[Unit], bucket_bytes: int) -> list[Unit]:
-    """``units`` (in variable order) with buckets of about ``bucket_bytes`` dense bytes
-    assigned in backprop order: the last variables' gradients are computed first."""
+    """``units`` (in variable order) with buckets assigned in backprop order (the last
+    variables' gradients are computed first): as in PyTorch DDP, a bucket is closed once it
+    holds ``bucket_bytes`` of dense gradient or more."""
     bucket, filled, placed = 0, 0, {}
     for unit in sorted(units, key=lambda u: -max(u.indices)):
-        if filled and filled + unit.dense_bytes > bucket_bytes:
-            bucket, filled = bucket + 1, 0
-        filled += unit.dense_bytes
         placed[unit.indices] = dataclasses.replace(unit, bucket=bucket)
+        filled += unit.dense_bytes
+        if filled >= bucket_bytes:
+            bucket, filled = bucket + 1, 0
     return [placed[u.indices] for u in sorted(units, key=lambda u: u.indices[0])]
 
 

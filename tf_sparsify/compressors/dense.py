@@ -17,6 +17,7 @@ class Identity(Compressor):
 
     def entries_sent(self, num_elements: int) -> int:
         return num_elements
+
     needs_static_shape = False
 
     def variance_bound(self, num_elements: int) -> float:

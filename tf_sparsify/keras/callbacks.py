@@ -30,7 +30,7 @@ class CompressionStats(keras.callbacks.Callback):
         return (
             int(opt.bytes_sent.numpy()),
             int(opt.dense_bytes.numpy()),
-            int(opt._iterations.numpy()),
+            int(opt.exchange_steps.numpy()),
         )
 
     def on_epoch_begin(self, epoch, logs=None):

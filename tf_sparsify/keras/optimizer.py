@@ -221,6 +221,12 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         return list(self._state.momenta)
 
     @property
+    def exchange_steps(self):
+        """The number of exchanges done (it keys random choices; Keras' ``iterations`` is the
+        inner optimizer's, which may count accumulation steps differently)."""
+        return self._state.step
+
+    @property
     def bytes_sent(self):
         """Payload bytes this replica sent, summed over steps."""
         return self._state.bytes_sent
