@@ -138,6 +138,11 @@ def test_exchange_checkpoint_restores_residuals_and_step(exact):
     _passed(exact, "exchange_checkpoint")
 
 
+def test_tape_with_momentum_correction_equals_the_optimizer(exact):
+    """Custom loops get DGC momentum correction too, from the same state core."""
+    _passed(exact, "tape_momentum_equals_optimizer")
+
+
 def test_identity_equals_plain_horovod_averaging(exact):
     for record in _passed(exact, "identity_equals_horovod_average").values():
         assert record["max_abs_diff"] <= 1e-6

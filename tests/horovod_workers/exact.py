@@ -171,6 +171,37 @@ def check_exchange_checkpoint(tmp: str) -> dict:
     return {}
 
 
+def check_tape_momentum_equals_optimizer() -> dict:
+    """GradientExchange with DGC momentum correction == DistributedOptimizer with it: the same
+    state core, so the same updates, residuals and momenta, step by step."""
+    options = {"momentum_correction": 0.9, "min_size": 4}
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
+    opt = th.DistributedOptimizer(keras.optimizers.SGD(1.0), tfs.TopK(k=3), **options)
+    exchange = th.GradientExchange(tfs.TopK(k=3), **options)
+
+    @tf.function
+    def apply(grads):
+        opt.apply(grads, variables)
+
+    for step in range(4):
+        before = [v.numpy() for v in variables]
+        apply(grads_of(RANK, step))
+        got = [b - v.numpy() for b, v in zip(before, variables, strict=True)]
+        tape = exchange.average(grads_of(RANK, step), variables)
+        for i in range(len(SHAPES)):
+            assert_close(tape[i], got[i], f"update {i} step {step}", 1e-6, 1e-7)
+    for name in ("residuals", "momenta"):
+        pairs = zip(getattr(opt, name), getattr(exchange, name), strict=True)
+        for i, (a, b) in enumerate(pairs):
+            if (a is None) != (b is None):
+                raise AssertionError(f"{name} {i}: one side has no buffer")
+            if a is not None:
+                assert_close(b.numpy(), a.numpy(), f"{name} {i}", 1e-6, 1e-7)
+    if not any(m is not None and np.any(m.numpy()) for m in exchange.momenta):
+        raise AssertionError("the momentum buffers stayed zero")
+    return {}
+
+
 # -- Identity against plain Horovod averaging ----------------------------------------------------
 def make_model(seed: int = 0) -> keras.Model:
     keras.utils.set_random_seed(seed)
@@ -368,6 +399,7 @@ def main() -> None:
         checks.run(f"update_{name}", lambda name=name: check_config(name))
     with tempfile.TemporaryDirectory() as tmp:
         checks.run("exchange_checkpoint", lambda: check_exchange_checkpoint(tmp))
+    checks.run("tape_momentum_equals_optimizer", check_tape_momentum_equals_optimizer)
     checks.run("identity_equals_horovod_average", check_identity_equals_horovod)
     checks.run("compression_classes", check_compression_classes)
     checks.run("callbacks", check_callbacks)
