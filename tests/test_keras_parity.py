@@ -309,3 +309,37 @@ def test_stateless_apply_and_update_step_are_not_available_on_tensorflow():
         opt.stateless_apply(opt.variables, [tf.ones([2])], [v])
     with pytest.raises(NotImplementedError, match="only through apply"):
         opt.update_step(tf.ones([2]), v, 0.1)
+
+
+def test_residuals_stay_in_gradient_units_when_an_inner_loss_scale_changes():
+    """With a LossScaleOptimizer inside, the gradients arrive scaled by its dynamic scale,
+    which halves on an overflow and doubles after growth steps; the residuals must not mix
+    scales. Same run without loss scaling, skipping the bad step: same weights and residuals."""
+    rng = np.random.default_rng(5)
+    shapes = [(20, 4), (4,)]
+    steps = [[rng.normal(size=s).astype("float32") for s in shapes] for _ in range(7)]
+    steps[3][0][2, 1] = np.nan  # an overflow: the scale halves and the step is skipped
+
+    def run(scaled: bool):
+        variables = [keras.Variable(np.zeros(s, "float32")) for s in shapes]
+        inner = keras.optimizers.SGD(0.1)
+        if scaled:
+            inner = keras.optimizers.LossScaleOptimizer(
+                inner, initial_scale=2.0**10, dynamic_growth_steps=2
+            )
+        opt = tfs.SparsifiedOptimizer(inner, tfs.TopK(ratio=0.2))
+        scales = []
+        for t, grads in enumerate(steps):
+            if not scaled and t == 3:
+                continue  # the unscaled run simply skips the bad step
+            scale = float(inner.dynamic_scale.numpy()) if scaled and opt.built else 2.0**10
+            factor = scale if scaled else 1.0
+            opt.apply([tf.constant(g * factor) for g in grads], variables)
+            scales.append(scale)
+        return variables, opt.residuals, scales
+
+    (w_scaled, r_scaled, scales), (w_plain, r_plain, _) = run(True), run(False)
+    changes = [b / a for a, b in zip(scales, scales[1:], strict=False) if a != b]
+    assert 2.0 in changes and 0.5 in changes  # the scale went up and down during the run
+    assert_same(w_scaled, w_plain)
+    assert_same([r.numpy() for r in r_scaled], [r.numpy() for r in r_plain])

@@ -6,6 +6,7 @@ import warnings
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
@@ -334,9 +335,18 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         ordered = self._in_build_order(grads, variables)
         # Keras' checks: "No gradients provided" for all-None, a warning for some None.
         compat.check_gradients(self, grads, variables or built_for)
+        # A LossScaleOptimizer inside scales the gradients by its dynamic scale, which changes
+        # between steps: exchange in gradient units so the residuals never mix scales, and hand
+        # it the update scaled back (exact: the scale is a power of two).
+        scale = _dynamic_loss_scale(self.inner_optimizer)
+        if scale is not None:
+            ordered = [None if g is None else _times(g, 1.0 / scale) for g in ordered]
         with keras.name_scope(self.name, caller=self):
             result = self.exchange(ordered, self.collective())
-        pairs = [(u, v) for u, v in zip(result.updates, built_for, strict=True) if u is not None]
+        updates = result.updates
+        if scale is not None:
+            updates = [None if u is None else _times(u, scale) for u in updates]
+        pairs = [(u, v) for u, v in zip(updates, built_for, strict=True) if u is not None]
         if pairs:
             self.inner_optimizer.apply([u for u, _ in pairs], [v for _, v in pairs])
 
@@ -395,6 +405,20 @@ def find_sparsified(optimizer) -> SparsifiedOptimizer | None:
             return optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return None
+
+
+def _dynamic_loss_scale(optimizer) -> tf.Tensor | None:
+    """The dynamic scale of a LossScaleOptimizer in the wrapper chain below, if any."""
+    while optimizer is not None:
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return tf.convert_to_tensor(optimizer.dynamic_scale)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+def _times(tensor, factor: tf.Tensor) -> tf.Tensor:
+    tensor = tf.convert_to_tensor(tensor)
+    return tensor * tf.cast(factor, tensor.dtype)
 
 
 def _check_no_inner_momentum(optimizer) -> None:
