@@ -38,9 +38,10 @@ CPU_SOURCES = (
     "cc/ops/ops.cc",
     "cc/kernels/topk_error_feedback_cpu.cc",
     "cc/kernels/qsgd_cpu.cc",
+    "cc/kernels/scatter_sum_cpu.cc",
 )
 GPU_HOST_SOURCES = ("cc/kernels/gpu_kernels.cc",)
-CUDA_SOURCES = ("cuda/topk.cu", "cuda/qsgd.cu")
+CUDA_SOURCES = ("cuda/topk.cu", "cuda/qsgd.cu", "cuda/scatter_sum.cu")
 CUDA_ENV = "TF_SPARSIFY_CUDA"
 CXX_FLAGS = (
     "-O3",

@@ -20,7 +20,7 @@ typedef struct CUstream_st* cudaStream_t;
 extern "C" {
 #endif
 
-/* Element types of grad/residual/values (TopK) and of the QSGD input/output. */
+/* Element types of grad/residual/values (TopK), of the QSGD input/output and of ScatterSum. */
 enum { TFS_F16 = 0, TFS_BF16 = 1, TFS_F32 = 2, TFS_F64 = 3 };
 enum { TFS_OK = 0, TFS_ERR_ARG = -1 };
 
@@ -51,6 +51,14 @@ int tfs_qsgd_quantize(int dtype, const void* input, int64_t n, int levels, int64
 
 int tfs_qsgd_dequantize(int dtype, const void* signed_levels, const float* norms, int64_t n,
                         int levels, int64_t bucket_size, void* output, cudaStream_t stream);
+
+/* dense[n] = sum of values[i] over indices[i] == j (int32 when index_bytes is 4, int64 when 8),
+ * zero elsewhere: dense is zeroed, then the m values are added with atomics. Indices outside
+ * [0, n) are skipped. Denormal values and sums are flushed as in tfs_common.h (not float16's).
+ * An index that occurs at most twice gets the CPU kernel's bits; three or more values at one
+ * index sum in an unspecified order, and NaN results carry the GPU's NaN bits. */
+int tfs_scatter_sum(int dtype, const void* values, const void* indices, int index_bytes,
+                    int64_t m, int64_t n, void* dense, cudaStream_t stream);
 
 /* The CUDA runtime version this library was built with and the driver's (e.g. 12050 for 12.5;
  * driver 0 when there is none). */

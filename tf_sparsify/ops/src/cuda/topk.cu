@@ -512,6 +512,6 @@ extern "C" int tfs_cuda_versions(int* runtime, int* driver) {
 
 extern "C" const char* tfs_error_string(int code) {
   if (code == TFS_OK) return "ok";
-  if (code == TFS_ERR_ARG) return "invalid argument (dtype, sizes, k, levels or workspace)";
+  if (code == TFS_ERR_ARG) return "invalid argument (dtype, sizes, k, levels, index width or workspace)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

@@ -56,7 +56,8 @@ class TopKErrorFeedbackGpuOp : public OpKernel {
                     "; place the op on the CPU (tf_sparsify.ops.topk_error_feedback does so "
                     "for tensors of known size)")));
     TopKOutputs out;
-    OP_REQUIRES_OK(ctx, PrepareTopK(ctx, DataTypeToEnum<Index>::value, &out));
+    // The CUDA core may write acc over residual, not over grad (declared __restrict__).
+    OP_REQUIRES_OK(ctx, PrepareTopK(ctx, DataTypeToEnum<Index>::value, {1}, &out));
     const int64_t k = out.k;
     if (n == 0) return;
     size_t bytes = 0;
@@ -127,6 +128,25 @@ class QsgdDequantizeGpuOp : public QsgdOpKernel {
   }
 };
 
+template <typename T, typename Index>
+class ScatterSumGpuOp : public OpKernel {
+ public:
+  explicit ScatterSumGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& values = ctx->input(0);
+    const Tensor& indices = ctx->input(1);
+    int64_t n = 0;
+    OP_REQUIRES_OK(ctx, ValidateScatterSum(values, indices, ctx->input(2), &n));
+    Tensor* dense = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &dense));
+    OP_REQUIRES_OK(ctx, CoreStatus(tfs_scatter_sum(kCoreType<T>, values.data(), indices.data(),
+                                                   sizeof(Index), values.NumElements(), n,
+                                                   dense->data(), StreamOf(ctx)),
+                                   "ScatterSum"));
+  }
+};
+
 #define TFS_REGISTER_GPU(T)                                                              \
   REGISTER_KERNEL_BUILDER(Name("TopKErrorFeedback")                                      \
                               .Device(DEVICE_GPU)                                        \
@@ -159,7 +179,19 @@ class QsgdDequantizeGpuOp : public QsgdOpKernel {
   REGISTER_KERNEL_BUILDER(                                                               \
       Name("QSGDDequantize").Device(DEVICE_GPU).HostMemory("shape").TypeConstraint<int16_t>( \
           "Tq").TypeConstraint<T>("dtype"),                                              \
-      QsgdDequantizeGpuOp<int16_t, T>);
+      QsgdDequantizeGpuOp<int16_t, T>);                                                  \
+  REGISTER_KERNEL_BUILDER(Name("ScatterSum")                                             \
+                              .Device(DEVICE_GPU)                                        \
+                              .HostMemory("n")                                           \
+                              .TypeConstraint<T>("T")                                    \
+                              .TypeConstraint<int32_t>("Tindex"),                        \
+                          ScatterSumGpuOp<T, int32_t>);                                  \
+  REGISTER_KERNEL_BUILDER(Name("ScatterSum")                                             \
+                              .Device(DEVICE_GPU)                                        \
+                              .HostMemory("n")                                           \
+                              .TypeConstraint<T>("T")                                    \
+                              .TypeConstraint<int64_t>("Tindex"),                        \
+                          ScatterSumGpuOp<T, int64_t>);
 
 TFS_REGISTER_GPU(Eigen::half)
 TFS_REGISTER_GPU(Eigen::bfloat16)

@@ -41,6 +41,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/denormal.h"
 #include "tensorflow/core/platform/threadpool.h"
+#include "cpu_parallel.h"
 #include "tfs_common.h"
 #include "validate.h"
 
@@ -66,28 +67,6 @@ inline KeyT<T> KeyAt(const T* p) {
   KeyT<T> bits;
   std::memcpy(&bits, p, sizeof(T));
   return tfs::KeyOf<sizeof(T)>::Key(bits);
-}
-
-// Fixed partition of [0, n) into `count` contiguous chunks.
-struct Chunks {
-  int64_t n;
-  int64_t count;
-  int64_t Begin(int64_t c) const { return n / count * c + std::min(c, n % count); }
-  int64_t End(int64_t c) const { return Begin(c + 1); }
-};
-
-// Runs fn(c) for c in [0, count) on TF's CPU pool (the caller's thread when count is 1),
-// under DAZ/FTZ.
-void ForEachChunk(OpKernelContext* ctx, int64_t count, const std::function<void(int64_t)>& fn) {
-  if (count == 1) {
-    fn(0);
-    return;
-  }
-  ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(
-      count, thread::ThreadPool::SchedulingParams::Fixed(1), [&fn](int64_t begin, int64_t end) {
-        port::ScopedFlushDenormal flush;
-        for (int64_t c = begin; c < end; ++c) fn(c);
-      });
 }
 
 template <typename T>
@@ -123,7 +102,7 @@ bool HasF16c() {
 }
 #endif
 
-// acc[b:e] = grad + residual (acc may be residual).
+// acc[b:e] = grad + residual (acc may be residual or grad).
 template <typename T>
 void Add(const T* grad, const T* residual, T* acc, int64_t b, int64_t e) {
 #if defined(__x86_64__)
@@ -136,6 +115,8 @@ void Add(const T* grad, const T* residual, T* acc, int64_t b, int64_t e) {
 #endif
   if (acc == residual) {
     AddInPlace(acc + b, grad + b, e - b);
+  } else if (acc == grad) {
+    AddInPlace(acc + b, residual + b, e - b);
   } else {
     AddInto(acc + b, grad + b, residual + b, e - b);
   }
@@ -518,9 +499,7 @@ template <typename T, typename Index>
 void TopKErrorFeedbackCpu(OpKernelContext* ctx, const T* grad, const T* residual, T* acc,
                           int64_t n, int64_t k, T* values, Index* indices) {
   constexpr int kKeyBits = tfs::KeyOf<sizeof(T)>::kBits;
-  const int64_t threads =
-      std::max(1, ctx->device()->tensorflow_cpu_worker_threads()->num_threads);
-  Chunks chunks{n, std::clamp<int64_t>(n / kMinChunk, 1, threads)};
+  Chunks chunks{n, std::clamp<int64_t>(n / kMinChunk, 1, WorkerThreads(ctx))};
   chunks.count = std::max(chunks.count, (n + kMaxChunk - 1) / kMaxChunk);
   if (k == 0) {
     ForEachChunk(ctx, chunks.count,
@@ -567,7 +546,9 @@ class TopKErrorFeedbackCpuOp : public OpKernel {
     const Tensor& grad = ctx->input(0);
     const Tensor& residual = ctx->input(1);
     TopKOutputs out;
-    OP_REQUIRES_OK(ctx, PrepareTopK(ctx, DataTypeToEnum<Index>::value, &out));
+    // acc may take grad's buffer: every pass reads grad[i] before writing acc[i], and later
+    // passes read acc only.
+    OP_REQUIRES_OK(ctx, PrepareTopK(ctx, DataTypeToEnum<Index>::value, {0, 1}, &out));
     const int64_t n = grad.NumElements();
     if (n == 0) return;
     TopKErrorFeedbackCpu<T, Index>(ctx, grad.flat<T>().data(), residual.flat<T>().data(),

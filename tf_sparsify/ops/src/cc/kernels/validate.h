@@ -3,6 +3,7 @@
 #ifndef TFS_KERNELS_VALIDATE_H_
 #define TFS_KERNELS_VALIDATE_H_
 
+#include <initializer_list>
 #include <cstdint>
 #include <limits>
 
@@ -125,9 +126,11 @@ struct TopKOutputs {
   Tensor* new_residual = nullptr;
 };
 
-// Validates the inputs and allocates the outputs; new_residual reuses residual's buffer when
-// TensorFlow allows it.
-inline absl::Status PrepareTopK(OpKernelContext* ctx, DataType index_type, TopKOutputs* out) {
+// Validates the inputs and allocates the outputs; new_residual reuses the buffer of one of
+// `forwardable` (input indices: 0 grad, 1 residual) when TensorFlow allows it (a buffer no one
+// else holds: a gradient is usually dead after this op), so no fresh memory is touched.
+inline absl::Status PrepareTopK(OpKernelContext* ctx, DataType index_type,
+                                std::initializer_list<int> forwardable, TopKOutputs* out) {
   const Tensor& grad = ctx->input(0);
   absl::Status s = ValidateTopK(grad, ctx->input(1), ctx->input(2), index_type, &out->k);
   if (!s.ok()) return s;
@@ -135,7 +138,34 @@ inline absl::Status PrepareTopK(OpKernelContext* ctx, DataType index_type, TopKO
   if (!s.ok()) return s;
   s = ctx->allocate_output(1, TensorShape({out->k}), &out->indices);
   if (!s.ok()) return s;
-  return ctx->forward_input_or_allocate_output({1}, 2, grad.shape(), &out->new_residual);
+  return ctx->forward_input_or_allocate_output(forwardable, 2, grad.shape(), &out->new_residual);
+}
+
+// ScatterSum: values and indices vectors of one length, n a scalar >= 0 (read into *n).
+inline absl::Status ValidateScatterSum(const Tensor& values, const Tensor& indices,
+                                       const Tensor& n_t, int64_t* n) {
+  if (!TensorShapeUtils::IsVector(values.shape())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ScatterSum: values must be a vector, got shape ", values.shape().DebugString()));
+  }
+  if (!TensorShapeUtils::IsVector(indices.shape())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ScatterSum: indices must be a vector, got shape ", indices.shape().DebugString()));
+  }
+  if (indices.NumElements() != values.NumElements()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ScatterSum: indices must have the length of values (",
+                     values.NumElements(), "), got ", indices.NumElements()));
+  }
+  if (!TensorShapeUtils::IsScalar(n_t.shape())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ScatterSum: n must be a scalar, got shape ", n_t.shape().DebugString()));
+  }
+  *n = n_t.scalar<int64_t>()();
+  if (*n < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ScatterSum: n must be >= 0, got n = ", *n));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace tfs_ops

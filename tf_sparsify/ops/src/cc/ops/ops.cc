@@ -101,4 +101,35 @@ QSGD decoder: output = dtype(signed_level * (norm_of_bucket / levels)) reshaped 
 clamped to dtype's largest finite magnitude; denormal scales flush to zero.
 )doc");
 
+REGISTER_OP("ScatterSum")
+    .Input("values: T")
+    .Input("indices: Tindex")
+    .Input("n: int64")
+    .Output("dense: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("Tindex: {int32, int64}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle values;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &values));
+      ShapeHandle indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &indices));
+      TF_RETURN_IF_ERROR(c->Merge(values, indices, &values));
+      ShapeHandle n_shape;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &n_shape));
+      DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &n));
+      c->set_output(0, c->Vector(n));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Dense sum of sparse values: dense[j] = sum of values[i] with indices[i] == j, 0 elsewhere.
+
+values and indices are vectors of one length, n >= 0. The CPU kernel adds duplicates in input
+order with T's addition (float16 and bfloat16 through float32, denormals as in TensorFlow's
+CPU policy), bit-identical to UnsortedSegmentSum, and fails on an index outside [0, n). The GPU
+kernel adds with atomics and skips out-of-range indices; it matches the CPU bit for bit where an
+index occurs at most twice, while sums of three or more duplicates depend on the order of the
+atomic additions.
+)doc");
+
 }  // namespace tensorflow
