@@ -1,4 +1,5 @@
-"""Custom ops against NumPy and the pure-TF reference: TopK with error feedback and QSGD.
+"""Custom ops against NumPy and the pure-TF reference: TopK with error feedback, QSGD and
+ScatterSum.
 
 Inputs travel as raw bit patterns so every comparison is bit for bit; the NumPy model follows
 the ops' denormal policy (that of TensorFlow's CPU threads). Tests of the compiled kernels
@@ -353,6 +354,142 @@ def test_kernel_validation(compiled):
         )
 
 
+def check_scatter(values: tf.Tensor, indices: tf.Tensor, n: int, what: str = "") -> tf.Tensor:
+    """The op equals the NumPy model and, bit for bit, the TF reference."""
+    got = ops.scatter_sum(values, indices, n)
+    assert got.dtype == values.dtype and got.shape == [n]
+    expected = npref.scatter_sum(bits_of(values), indices.numpy(), n, KIND[values.dtype])
+    assert_bits_equal(got, expected, f"vs NumPy {what}")
+    assert_bits_equal(got, reference.scatter_sum(values, indices, n), f"vs reference {what}")
+    return got
+
+
+def replicas_indices(n: int, k: int, replicas: int, dtype: tf.DType) -> tf.Tensor:
+    """Each replica's k ascending distinct indices, concatenated (a gathered TopK payload)."""
+    parts = [np.sort(RNG.choice(n, k, replace=False)) for _ in range(replicas)]
+    return tf.constant(np.concatenate(parts), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64])
+@pytest.mark.parametrize("n", [1, 7, 1000, 3 * 2**15 + 5, 100003])
+def test_scatter_sum_matches_references(available, dtype, index_dtype, n):
+    for m in sorted({1, max(n // 100, 1), n, 3 * n}):
+        values = make(RNG.standard_normal(m), dtype)
+        indices = tf.constant(RNG.integers(0, n, m), index_dtype)
+        check_scatter(values, indices, n, f"m={m}")
+    k = max(n // 100, 1)
+    values = make(RNG.standard_normal(2 * k), dtype)
+    check_scatter(values, replicas_indices(n, k, 2, index_dtype), n, "2 replicas")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_sum_adds_duplicates_in_input_order(available, dtype):
+    """(1 + e) + e rounds to 1 with e half an ulp of 1 (e + e + 1 would not), at the ends of
+    the output and of its 2^15-entry blocks, among random duplicates elsewhere."""
+    eps = float(ml_dtypes.finfo(dtype.as_numpy_dtype).eps)
+    n = 2 * 2**15 + 3
+    spots = np.array([0, 2**15 - 1, 2**15, n - 1])
+    others = np.setdiff1d(np.arange(n), spots)
+    noise = RNG.standard_normal(400)
+    x = np.concatenate(
+        [np.ones(4), noise[:200], np.full(4, eps / 2), noise[200:], np.full(4, eps / 2)]
+    )
+    idx = np.concatenate([spots, RNG.choice(others, 200), spots, RNG.choice(others, 200), spots])
+    got = check_scatter(make(x, dtype), tf.constant(idx), n)
+    assert tf.cast(tf.gather(got, spots), tf.float64).numpy().tolist() == [1.0] * spots.size
+
+
+def test_scatter_sum_empty_and_zero_sized(available):
+    for dtype in DTYPES:
+        empty = make(np.zeros(0), dtype)
+        for index_dtype in (tf.int32, tf.int64):
+            none = tf.zeros([0], index_dtype)
+            assert_bits_equal(check_scatter(empty, none, 5), np.zeros(5, np.uint8), "m=0")
+            assert check_scatter(empty, none, 0).shape == [0]
+    zeros = check_scatter(make(np.array([-0.0, -0.0]), tf.float32), tf.constant([1, 1]), 3)
+    assert_bits_equal(zeros, np.zeros(3, np.uint32), "0 + -0 is +0")
+
+
+def test_scatter_sum_tf_function_unknown_shapes(available):
+    spec = [tf.TensorSpec([None], tf.float32), tf.TensorSpec([None], tf.int64)]
+    dynamic = tf.function(
+        lambda v, i, n: ops.scatter_sum(v, i, n),
+        input_signature=[*spec, tf.TensorSpec([], tf.int32)],
+    )
+    static = tf.function(lambda v, i: ops.scatter_sum(v, i, 50), input_signature=spec)
+    assert static.get_concrete_function().structured_outputs.shape == [50]
+    values = make(RNG.standard_normal(30), tf.float32)
+    indices = tf.constant(RNG.integers(0, 50, 30))
+    want = reference.scatter_sum(values, indices, 50)
+    assert_bits_equal(dynamic(values, indices, tf.constant(50)), want, "n as a tensor")
+    assert_bits_equal(static(values, indices), want, "n static")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[\d+\] = \d+ is out of"):
+        dynamic(values, indices, tf.constant(10))
+
+
+def test_scatter_sum_gradient(available):
+    values = make(RNG.standard_normal(6), tf.float32)
+    indices = tf.constant([4, 0, 4, 2, 9, 0])
+    weights = make(RNG.standard_normal(10), tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(values)
+        loss = tf.reduce_sum(ops.scatter_sum(values, indices, 10) * weights)
+    np.testing.assert_array_equal(tape.gradient(loss, values), tf.gather(weights, indices))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (([1.0, 2.0], [0], 3), r"indices must have the length of values \(2\), got 1"),
+        (([[1.0]], [[0]], 3), r"values must be a vector, got shape \(1, 1\)"),
+        (([1.0], [[0]], 3), r"indices must be a vector, got shape \(1, 1\)"),
+        (([1.0], [0], -1), r"n must be an int in \[0, 2\*\*63\), got n = -1"),
+        (([1.0], [0], 2.0), "n must be an integer, got n = 2.0"),
+        (([1.0], [0], True), "n must be an integer, got n = True"),
+        (([1.0], [0], tf.constant([3])), "n must be a scalar"),
+        (([1.0], [0], tf.constant(3.0)), "n must be an int32 or int64 scalar, got dtype float"),
+        (([1.0], [0.0], 3), "indices must be int32 or int64, got float32"),
+        (([1], [0], 3), "values must be float16, bfloat16, float32 or float64, got int32"),
+        (([1.0, 2.0], [0, 3], 3), r"ScatterSum: indices\[1\] = 3 is out of range \[0, 3\)"),
+        (([1.0, 2.0], [-1, 3], 3), r"ScatterSum: indices\[0\] = -1 is out of range \[0, 3\)"),
+        (([1.0], [0], 0), r"ScatterSum: indices\[0\] = 0 is out of range \[0, 0\)"),
+    ],
+)
+def test_scatter_sum_bad_arguments(available, args, message):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        ops.scatter_sum(*args)
+
+
+def test_scatter_sum_reference_names_the_bad_index():
+    """The fallback's own range check (the segment sum drops negative indices silently)."""
+    values, n = tf.constant([1.0, 2.0, 3.0]), tf.constant(4, tf.int64)
+    for indices, bad in (([0, 4, 1], r"indices\[1\] = 4"), ([0, 1, -2], r"indices\[2\] = -2")):
+        with pytest.raises(
+            tf.errors.InvalidArgumentError, match=bad + r" is out of range \[0, 4\)"
+        ):
+            reference.scatter_sum(values, tf.constant(indices), n)
+
+
+def test_scatter_sum_kernel_validation(compiled):
+    """The kernel checks its arguments itself (the raw op skips the Python checks)."""
+    v = tf.constant([1.0, 2.0])
+    n = tf.constant(4, tf.int64)
+    bad = tf.errors.InvalidArgumentError
+    with pytest.raises(bad, match=r"ScatterSum: indices must have the length of values \(2\)"):
+        compiled.scatter_sum(v, tf.constant([0]), n)
+    with pytest.raises(bad, match="ScatterSum: values must be a vector"):
+        compiled.scatter_sum(tf.constant([[1.0]]), tf.constant([0]), n)
+    with pytest.raises(bad, match="ScatterSum: n must be >= 0, got n = -2"):
+        compiled.scatter_sum(v, tf.constant([0, 1]), tf.constant(-2, tf.int64))
+    with pytest.raises(bad, match="ScatterSum: n must be a scalar"):
+        compiled.scatter_sum(v, tf.constant([0, 1]), tf.constant([4], tf.int64))
+    with pytest.raises(bad, match=r"ScatterSum: indices\[1\] = 2147483647 is out of range"):
+        compiled.scatter_sum(v, tf.constant([0, 2**31 - 1]), n)
+    with pytest.raises(bad, match=r"ScatterSum: indices\[0\] = -4 is out of range \[0, 4\)"):
+        compiled.scatter_sum(v, tf.constant([-4, 0], tf.int64), n)
+
+
 def test_saved_model_round_trip(available, tmp_path):
     class Compress(tf.Module):
         @tf.function(input_signature=[tf.TensorSpec([64], tf.float32)] * 2)
@@ -419,7 +556,12 @@ def test_fallback_warns_once(monkeypatch):
 def test_info_and_cli(compiled):
     report = ops.info()
     assert report.compiled and "CPU" in report.kernels["TopKErrorFeedback"]
-    assert set(report.kernels) == {"TopKErrorFeedback", "QSGDQuantize", "QSGDDequantize"}
+    assert set(report.kernels) == {
+        "TopKErrorFeedback",
+        "QSGDQuantize",
+        "QSGDDequantize",
+        "ScatterSum",
+    }
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.run(
         [sys.executable, "-m", "tf_sparsify", "info"],

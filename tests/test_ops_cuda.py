@@ -72,3 +72,9 @@ def test_cuda_core_compiles_and_loads(tmp_path: Path):
         2, null, i64(10), 0, i64(0), i64(0), null, null, null, ctypes.c_size_t(0), null
     )
     assert bad_levels == -1
+    scatter = lib.tfs_scatter_sum
+    scatter.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    scatter.argtypes += [i64, i64, ctypes.c_void_p, ctypes.c_void_p]
+    for dtype, index_bytes, m, n in ((4, 4, 1, 1), (2, 2, 1, 1), (2, 4, -1, 1), (2, 8, 1, -1)):
+        assert scatter(dtype, null, null, index_bytes, m, n, null, null) == -1
+    assert scatter(0, null, null, 8, 5, 0, null, null) == 0  # n = 0: nothing to write

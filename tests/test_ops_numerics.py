@@ -124,6 +124,33 @@ def test_topk_denormal_policy(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_sum_denormal_policy(dtype):
+    """Denormal values read as zero and denormal sums (1.5 tiny - tiny) flush, in the middle
+    of three duplicates too; float16 keeps both. Inf + -Inf, NaN and signed zeros as on CPU."""
+    d = denormal(dtype)
+    tiny = float(ml_dtypes.finfo(dtype.as_numpy_dtype).tiny)
+    values = [d, -d, 1.5 * tiny, -tiny, 1.5 * tiny, -tiny, tiny, np.inf, -np.inf, np.nan, -0.0]
+    indices = [0, 1, 2, 2, 3, 3, 3, 4, 4, 5, 6]
+    v = make(values, dtype)
+    got = ops.scatter_sum(v, tf.constant(indices), 8)
+    expected = npref.scatter_sum(bits_of(v), np.array(indices), 8, KIND[dtype])
+    assert_same(got, expected, "vs NumPy")
+    assert_same(got, reference.scatter_sum(v, tf.constant(indices), 8), "vs reference")
+    out = tf.cast(got, tf.float64).numpy()
+    if dtype == tf.float16:
+        assert out[:4].tolist() == [d, -d, 0.5 * tiny, 1.5 * tiny]
+    else:
+        assert out[:4].tolist() == [0.0, 0.0, 0.0, tiny] and not np.signbit(out[:2]).any()
+    assert np.isnan(out[4:6]).all() and out[6] == 0 and not np.signbit(out[6])
+    rng = np.random.default_rng(8)
+    many = make(rng.choice([d, -d, tiny * 1.5, -tiny, 0.0, -0.0, 1.0], 999), dtype)
+    idx = rng.integers(0, 50, 999)
+    got = ops.scatter_sum(many, tf.constant(idx), 50)
+    assert_same(got, npref.scatter_sum(bits_of(many), idx, 50, KIND[dtype]), "random vs NumPy")
+    assert_same(got, reference.scatter_sum(many, tf.constant(idx), 50), "random vs reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_qsgd_denormal_inputs(dtype):
     """A bucket of denormals has norm 0 and levels 0 (float16: kept, computed in float32);
     denormals beside normal values get level 0 without disturbing the norm."""

@@ -1,4 +1,4 @@
-"""Custom ops: fused TopK with error feedback and QSGD quantization.
+"""Custom ops: fused TopK with error feedback, QSGD quantization and a dense scatter-sum.
 
 Each function runs the compiled kernels (built by ``python -m tf_sparsify.ops.build``, loaded by
 :mod:`tf_sparsify.ops.library`) when they load, and otherwise the pure-TF reference in
@@ -40,6 +40,7 @@ __all__ = [
     "is_compiled",
     "qsgd_dequantize",
     "qsgd_quantize",
+    "scatter_sum",
     "topk_error_feedback",
 ]
 
@@ -323,3 +324,53 @@ def qsgd_dequantize(
     return ops.qsgd_dequantize(
         signed_levels, norms, shape, levels=levels, bucket_size=bucket_size, dtype=dtype
     )
+
+
+def _check_vector(name: str, t: tf.Tensor) -> None:
+    if t.shape.rank not in (None, 1):
+        raise _invalid(f"{name} must be a vector, got shape {t.shape}")
+
+
+def _check_n(n: Any) -> int | tf.Tensor:
+    """``n`` as a checked Python int, or an int64 scalar tensor (checked by the kernel)."""
+    n_int = _static_int(n)
+    if n_int is not None:
+        if not 0 <= n_int < 2**63:
+            raise _invalid(f"n must be an int in [0, 2**63), got n = {n_int}")
+        return n_int
+    if isinstance(n, (bool, np.bool_, float, np.floating, str)):
+        raise _invalid(f"n must be an integer, got n = {n!r} ({type(n).__name__})")
+    n = tf.convert_to_tensor(n)
+    if n.dtype not in INDEX_DTYPES:
+        raise _invalid(f"n must be an int32 or int64 scalar, got dtype {n.dtype.name}")
+    if n.shape.rank not in (None, 0):
+        raise _invalid(f"n must be a scalar, got shape {n.shape}")
+    return tf.cast(n, tf.int64)
+
+
+def scatter_sum(values: tf.Tensor, indices: tf.Tensor, n: int | tf.Tensor) -> tf.Tensor:
+    """Dense ``[n]`` tensor: ``dense[j]`` is the sum of the ``values[i]`` with
+    ``indices[i] == j``, 0 elsewhere (decompression of sparse payloads in one pass).
+
+    ``values`` is a float vector, ``indices`` an int32/int64 vector of the same length, ``n`` an
+    int (or int32/int64 scalar tensor) >= 0. On CPU duplicates add in input order with the
+    dtype's addition, as ``tf.math.unsorted_segment_sum`` (the reference) does, and an index
+    outside ``[0, n)`` is an InvalidArgumentError. The GPU kernel skips such indices, and sums
+    three or more values at one index in an unspecified order.
+    """
+    values = tf.convert_to_tensor(values)
+    indices = tf.convert_to_tensor(indices)
+    _check_float("values", values.dtype)
+    if indices.dtype not in INDEX_DTYPES:
+        raise _invalid(f"indices must be int32 or int64, got {indices.dtype.name}")
+    _check_vector("values", values)
+    _check_vector("indices", indices)
+    if not values.shape.is_compatible_with(indices.shape):
+        raise _invalid(
+            f"indices must have the length of values ({values.shape[0]}), got {indices.shape[0]}"
+        )
+    n = _check_n(n)
+    ops = _compiled()
+    if ops is None:
+        return reference.scatter_sum(values, indices, n)
+    return ops.scatter_sum(values, indices, n)

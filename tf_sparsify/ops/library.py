@@ -22,7 +22,8 @@ import tensorflow as tf
 from tf_sparsify.ops import gpu
 from tf_sparsify.ops.paths import GPU_LIB_NAME, INFO_NAME, LIB_NAME, search_dirs
 
-OP_NAMES = ("TopKErrorFeedback", "QSGDQuantize", "QSGDDequantize")
+OP_NAMES = ("TopKErrorFeedback", "QSGDQuantize", "QSGDDequantize", "ScatterSum")
+NOT_DIFFERENTIABLE = ("TopKErrorFeedback", "QSGDQuantize", "QSGDDequantize")
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,11 @@ def load_gpu_kernels(
     return False, problem
 
 
+def _scatter_sum_gradient(op: tf.Operation, grad: tf.Tensor) -> tuple[tf.Tensor | None, ...]:
+    """ScatterSum is linear in ``values``: each value gets the gradient at its index."""
+    return tf.gather(grad, op.inputs[1]), None, None
+
+
 def load() -> Library:
     """Loads the libraries built for the running TensorFlow (see the module docstring)."""
     directory, build, reason = find(tf.__version__)
@@ -114,8 +120,9 @@ def load() -> Library:
         module = tf.load_op_library(str(path))
     except (tf.errors.OpError, OSError) as err:
         return Library(None, f"cannot load {path}: {err}", directory, build)
-    for name in OP_NAMES:
+    for name in NOT_DIFFERENTIABLE:
         tf.no_gradient(name)
+    tf.RegisterGradient("ScatterSum")(_scatter_sum_gradient)
     driver = gpu.driver_cuda_version()
     loaded, why = load_gpu_kernels(directory, build, driver)
     return Library(module, None, directory, build, loaded, why, driver)

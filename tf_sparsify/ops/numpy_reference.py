@@ -212,3 +212,21 @@ def qsgd_dequantize(
         out = (_buckets(q, bucket_size) * scale[:, None]).ravel()[:n]
     clamped = np.where(out > top, top, np.where(out < -top, -top, out))
     return from_f32(clamped, kind)
+
+
+def scatter_sum(values: np.ndarray, indices: np.ndarray, n: int, kind: str) -> np.ndarray:
+    """Bit patterns of ``kind``, ``[n]``: zeros plus ``values`` (bit patterns) added at
+    ``indices`` in input order with :func:`add`; ValueError for an index outside ``[0, n)``."""
+    indices = np.asarray(indices, np.int64).ravel()
+    bad = np.flatnonzero((indices < 0) | (indices >= n))
+    if bad.size:
+        raise ValueError(f"indices[{bad[0]}] = {indices[bad[0]]} is out of range [0, {n})")
+    out = np.zeros(n, BITS[kind])
+    order = np.argsort(indices, kind="stable")
+    first = np.flatnonzero(np.r_[True, np.diff(indices[order]) != 0])
+    # rank[t]: how many entries with the same index come before order[t] in input order
+    rank = np.arange(indices.size) - np.repeat(first, np.diff(np.r_[first, indices.size]))
+    for r in range(int(rank.max(initial=-1)) + 1):  # one round per rank: distinct indices
+        pick = order[rank == r]
+        out[indices[pick]] = add(out[indices[pick]], values.ravel()[pick], kind)
+    return out

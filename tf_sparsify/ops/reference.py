@@ -15,6 +15,10 @@ These define the semantics the compiled kernels must reproduce bit for bit:
   ``level = floor(r) + (u < r - floor(r))`` with ``u = hash_uniform(seed, flat_index)``,
   capped at ``levels``; the payload is ``sign(x) * level`` as int8 (levels <= 127) or int16
   (0 where the level is NaN), plus the float32 norms.
+* ``scatter_sum``: ``dense[j]`` is the sum of the ``values[i]`` with ``indices[i] == j`` (0
+  elsewhere), duplicates added in input order with the dtype's addition;
+  ``tf.math.unsorted_segment_sum`` does exactly that on CPU. An index outside ``[0, n)`` is an
+  InvalidArgumentError.
 * ``hash_uniform``: a counter-based uniform in [0, 1) shared with the kernels, so the compiled
   QSGD and this reference give identical payloads for the same seed.
 
@@ -122,6 +126,23 @@ def topk_error_feedback(
     values = tf.gather(flat, indices)
     new_flat = tf.tensor_scatter_nd_update(flat, tf.expand_dims(indices, 1), tf.zeros_like(values))
     return values, indices, tf.reshape(new_flat, tf.shape(acc))
+
+
+def scatter_sum(values: tf.Tensor, indices: tf.Tensor, n: int | tf.Tensor) -> tf.Tensor:
+    """Reference ScatterSum: ``tf.math.unsorted_segment_sum`` (input order on CPU) after a range
+    check naming the first index outside ``[0, n)`` (the segment sum drops negative ones)."""
+    n = tf.cast(n, tf.int64)
+    wide = tf.cast(indices, tf.int64)
+    bad = tf.logical_or(wide < 0, wide >= n)
+    # A sentinel entry keeps argmax and gather valid when there are no indices.
+    first = tf.argmax(tf.concat([tf.cast(bad, tf.int32), [1]], 0), output_type=tf.int64)
+    value = tf.gather(tf.concat([wide, [0]], 0), first)
+    message = tf.strings.format(
+        "ScatterSum: indices[{}] = {} is out of range [0, {})", (first, value, n)
+    )
+    check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [message])
+    with tf.control_dependencies([check]):
+        return tf.math.unsorted_segment_sum(values, indices, n)
 
 
 def _fmix32(x: tf.Tensor) -> tf.Tensor:
