@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
+from tf_sparsify import ops
 from tf_sparsify.compressors import deserialize, serialize
 from tf_sparsify.pipeline import GradientPipeline
 
@@ -406,6 +407,31 @@ def test_deterministic_compressors_keep_no_counter():
     comp = tfs.TopK(k=2)
     comp.compress(tf.ones([4]))
     assert comp._unkeyed_steps is None and not comp.randomized
+
+
+def _op_types(fn, *args) -> set[str]:
+    return {op.type for op in tf.function(fn).get_concrete_function(*args).graph.get_operations()}
+
+
+def test_sparse_decompression_is_one_scatter_sum():
+    """TopK (one payload, the sum of gathered ones, the sent mask) and RandomK decode with the
+    ScatterSum op (its reference without the library), not tf.scatter_nd."""
+    scatter = "ScatterSum" if ops.is_compiled() else "UnsortedSegmentSum"
+    x = tf.random.stateless_normal([6, 50], seed=[3, 4])
+    topk, randomk = tfs.TopK(ratio=0.05), tfs.RandomK(ratio=0.05, seed=2)
+    payload, ctx = topk.compress(x)
+    gathered = tuple(tf.stack([t, t]) for t in payload)
+    (values,), rctx = randomk.compress(x, step=1)
+    graphs = (
+        _op_types(lambda v, i: topk.decompress((v, i), ctx), *payload),
+        _op_types(lambda v, i: topk.decompress_sum((v, i), ctx, 2), *gathered),
+        _op_types(lambda v, i: topk.sent_mask((v, i), ctx), *payload),
+        _op_types(lambda v: randomk.decompress((v,), rctx), values),
+    )
+    for types in graphs:
+        assert scatter in types and "ScatterNd" not in types, types
+    dense = topk.decompress_sum(gathered, ctx, 2)
+    np.testing.assert_array_equal(dense, 2 * topk.decompress(payload, ctx))
 
 
 # -- edge values -------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 import numpy as np
 import tensorflow as tf
 
+from tf_sparsify import ops
+
 Payload = tuple[tf.Tensor, ...]
 
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
@@ -289,9 +291,9 @@ def rng_seed(
 
 def ones_at(indices: tf.Tensor, ctx: Context) -> tf.Tensor:
     """1 at the distinct flat ``indices``, 0 elsewhere, in ``ctx``'s shape and dtype."""
-    ones = tf.ones_like(indices, dtype=ctx.dtype)
-    flat = tf.scatter_nd(tf.reshape(indices, [-1, 1]), ones, [ctx.num_elements])
-    return tf.reshape(flat, ctx.shape)
+    flat = tf.reshape(indices, [-1])
+    ones = tf.ones_like(flat, dtype=ctx.dtype)
+    return tf.reshape(ops.scatter_sum(ones, flat, ctx.num_elements), ctx.shape)
 
 
 def dtype_bytes(dtype: tf.DType) -> int:

@@ -6,6 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_sparsify import ops
 from tf_sparsify.compressors.base import (
     Compressor,
     Context,
@@ -75,8 +76,7 @@ class RandomK(Compressor):
     def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
         (values,) = payload
         idx = self.indices(ctx.num_elements, ctx.step, ctx.tensor_id)
-        flat = tf.scatter_nd(idx[:, None], values, [ctx.num_elements])
-        return tf.reshape(flat, ctx.shape)
+        return tf.reshape(ops.scatter_sum(values, idx, ctx.num_elements), ctx.shape)
 
     def get_config(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "seed": self.seed}

@@ -85,6 +85,5 @@ class TopK(Compressor):
 
 
 def _scatter(values: tf.Tensor, indices: tf.Tensor, ctx: Context) -> tf.Tensor:
-    """Dense tensor of ``ctx``'s shape with ``values`` added at flat ``indices``."""
-    flat = tf.scatter_nd(indices[:, None], values, [ctx.num_elements])
-    return tf.reshape(flat, ctx.shape)
+    """Dense tensor of ``ctx``'s shape with ``values`` added at flat ``indices`` (one op)."""
+    return tf.reshape(ops.scatter_sum(values, indices, ctx.num_elements), ctx.shape)
