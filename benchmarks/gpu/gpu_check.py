@@ -2,10 +2,12 @@
 
 Run through ``run_gpu_checks.sh``, which builds ``libtfs_cuda.so`` first. Needs NumPy and
 PyTorch with CUDA (device memory, streams, CUDA graphs and the torch.topk baseline). The model
-is the ops' CPU semantics (denormal policy included), compared bit for bit, NaN payloads too.
-All work runs on a non-default stream; outputs and workspaces carry guard bytes; inputs are
-also handed misaligned. Exit status 1 when any correctness case fails; performance goals are
-reported, not enforced. ``--small`` runs only small cases (for compute-sanitizer).
+is the ops' CPU semantics (denormal policy included), compared bit for bit, NaN payloads too
+(ScatterSum: any NaN, where its result is defined bit for bit: at most two values per index,
+or integer sums exact in any order; out-of-range indices skipped). All work runs on a
+non-default stream; outputs and workspaces carry guard bytes; inputs are also handed
+misaligned. Exit status 1 when any correctness case fails; performance goals are reported, not
+enforced. ``--small`` runs only small cases (for compute-sanitizer).
 
 ``--tf-cpu`` runs the same correctness cases against the compiled TensorFlow CPU kernels
 instead (no GPU), to check this harness itself.
@@ -59,6 +61,7 @@ class CudaCore:
             "tfs_qsgd_quantize": [c_int, c_ptr, c_i64, c_int, c_i64, c_i64]
             + [c_ptr, c_ptr, c_ptr, c_size, c_ptr],
             "tfs_qsgd_dequantize": [c_int, c_ptr, c_ptr, c_i64, c_int, c_i64, c_ptr, c_ptr],
+            "tfs_scatter_sum": [c_int, c_ptr, c_ptr, c_int, c_i64, c_i64, c_ptr, c_ptr],
             "tfs_cuda_versions": [ctypes.POINTER(c_int), ctypes.POINTER(c_int)],
         }
         for name, args in signatures.items():
@@ -213,6 +216,28 @@ class CudaCore:
         guards = self.check_guards()
         return self.to_host(out), guards
 
+    def scatter(self, value_bits, indices, n, kind, index_bytes=4):
+        """dense[n] of tfs_scatter_sum (into a fresh, guarded buffer) and the guard check."""
+        torch, shift = self.torch, 1 if self.misaligned else 0
+        values = self.to_device(value_bits, kind)
+        buf = torch.empty(indices.size + shift, dtype=self.ints[index_bytes], device="cuda")
+        buf[shift:].copy_(torch.from_numpy(indices.astype(SIGNED[index_bytes])))
+        dense = self.empty(n + shift, self.dtypes[kind])[shift:]
+        torch.cuda.synchronize()
+        code = self.lib.tfs_scatter_sum(
+            CODES[kind],
+            self.ptr(values),
+            self.ptr(buf[shift:]),
+            index_bytes,
+            indices.size,
+            n,
+            self.ptr(dense),
+            self.handle(),
+        )
+        self.check(code, "tfs_scatter_sum")
+        guards = self.check_guards()
+        return self.to_host(dense), guards
+
 
 class TfCpuCore:
     """The same interface over the compiled TensorFlow CPU kernels (checks this harness)."""
@@ -254,6 +279,14 @@ class TfCpuCore:
     def dequantize(self, q, norms, levels, bucket_size, kind):
         out = self.ops.qsgd_dequantize(q, norms, levels, bucket_size, [q.size], self.dtypes[kind])
         return self.to_host(out), True
+
+    def scatter(self, value_bits, indices, n, kind, index_bytes=4):
+        """The CPU kernel rejects out-of-range indices: they are dropped here, as the GPU does."""
+        keep = (indices >= 0) & (indices < n)
+        index_dtype = self.tf.int32 if index_bytes == 4 else self.tf.int64
+        idx = self.tf.constant(indices[keep], index_dtype)
+        dense = self.ops.scatter_sum(self.to_tensor(value_bits[keep], kind), idx, n)
+        return self.to_host(dense), True
 
 
 def from_f64(x: np.ndarray, kind: str) -> np.ndarray:
@@ -354,6 +387,55 @@ def qsgd_cases(rng: np.random.Generator, kind: str, small: bool):
     yield "denormal inputs", denormals, 5, 16, 7
 
 
+def scatter_cases(rng: np.random.Generator, kind: str, small: bool):
+    """(name, value bits, indices, n): at most two values per index (exact on the GPU) except
+    in the integer case, whose sums are exact in any order; out-of-range indices are skipped."""
+    sizes = (1, 7, 1000, 100003) + (() if small else ((1 << 22) + 3,))
+    for n in sizes:
+        for density in (0.01, 0.3):
+            k = max(int(n * density), 1)
+            idx = np.concatenate([np.sort(rng.choice(n, k, replace=False)) for _ in range(2)])
+            x = from_f64(rng.standard_normal(idx.size), kind)
+            yield f"two replicas n={n} k={k}", x, idx, n
+    n = 1000
+    idx = rng.integers(0, n, 30000 if small else 300000)
+    ints = from_f64(rng.integers(-1, 2, idx.size).astype(np.float64), kind)
+    yield "contended integer sums", ints, idx, n
+    tiny = TINY[kind]
+    pairs = np.array([tiny / 4, -tiny / 4, 1.5 * tiny, -tiny, -0.0, -0.0, np.inf, -np.inf, 2.0])
+    idx = np.array([0, 1, 2, 2, 3, 3, 4, 4, 5])
+    nans = np.array(NAN_BITS[kind], npref.BITS[kind])
+    bits = np.concatenate([from_f64(pairs, kind), nans])
+    yield "denormals, signed zeros, Inf, NaN", bits, np.r_[idx, 6, 7, 7], 9
+    outside = np.array([5, -1, 9, 2**31 - 1 if small else 2**40, 3, 0])
+    yield "out-of-range indices skipped", from_f64(np.arange(6.0) + 1, kind), outside, 9
+    yield "m = 0", from_f64(np.zeros(0), kind), np.zeros(0, np.int64), 5
+    yield "n = 0", from_f64(np.zeros(0), kind), np.zeros(0, np.int64), 0
+
+
+def same_bits(got: np.ndarray, want: np.ndarray, kind: str) -> bool:
+    """Equal bit patterns, where NaN matches any NaN (the GPU's atomics give its own NaN)."""
+    nan_got, nan_want = np.isnan(npref.to_f32(got, kind)), np.isnan(npref.to_f32(want, kind))
+    return np.array_equal(nan_got, nan_want) and np.array_equal(got[~nan_got], want[~nan_want])
+
+
+def check_scatter(core, rng: np.random.Generator, kind: str, small: bool) -> list[str]:
+    failures = []
+    for count, (name, x, idx, n) in enumerate(scatter_cases(rng, kind, small)):
+        keep = (idx >= 0) & (idx < n)
+        want = npref.scatter_sum(x[keep], idx[keep], n, kind)
+        index_bytes = 8 if count % 2 or idx.max(initial=0) >= 2**31 else 4
+        core.misaligned = count % 3 == 1
+        got, guards = core.scatter(x, idx, n, kind, index_bytes)
+        if not (same_bits(got, want, kind) and guards):
+            failures.append(
+                f"scatter {kind} {name} index_bytes={index_bytes} misaligned={core.misaligned}"
+                f"{'' if guards else ' GUARD BYTES OVERWRITTEN'}"
+            )
+    core.misaligned = False
+    return failures
+
+
 def run_correctness(core, small: bool) -> list[str]:
     """Every case against the NumPy model (the ops' CPU semantics); returns the failures."""
     failures: list[str] = []
@@ -384,7 +466,8 @@ def run_correctness(core, small: bool) -> list[str]:
             if not (ok and guards and guards2):
                 failures.append(f"qsgd {kind} {name}{'' if guards else ' GUARD BYTES'}")
         core.misaligned = False
-        print(f"  {kind}: {count} cases", flush=True)
+        failures += check_scatter(core, rng, kind, small)
+        print(f"  {kind}: {count} cases + scatter", flush=True)
     return failures
 
 
@@ -543,6 +626,51 @@ def _qsgd_times(core: CudaCore, x, q, decoded, bucket: int) -> list[tuple[str, f
     ]
 
 
+def run_scatter_timing(core: CudaCore, n: int, density: float, kind: str) -> None:
+    """tfs_scatter_sum of two replicas' TopK payloads vs torch's index_add_ and scatter_add_
+    (after zeroing, as the op does) vs zeroing and copying the output's bytes."""
+    torch = core.torch
+    k = max(int(n * density), 1)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    perms = [torch.randperm(n, device="cuda", generator=gen)[:k].sort().values for _ in "ab"]
+    idx64 = torch.cat(perms)
+    idx32 = idx64.to(torch.int32)
+    values = torch.randn(2 * k, device="cuda", generator=gen).to(core.dtypes[kind])
+    dense = torch.empty(n, dtype=values.dtype, device="cuda")
+    src = torch.empty_like(dense)
+
+    def fused():
+        code = core.lib.tfs_scatter_sum(
+            CODES[kind],
+            core.ptr(values),
+            core.ptr(idx32),
+            4,
+            2 * k,
+            n,
+            core.ptr(dense),
+            core.handle(),
+        )
+        core.check(code, "scatter")
+
+    with torch.cuda.stream(core.stream):
+        rows = [
+            ("tfs_scatter_sum (zero + atomic adds)", time_ms(torch, fused)),
+            (
+                "zero_ + torch index_add_",
+                time_ms(torch, lambda: dense.zero_().index_add_(0, idx64, values)),
+            ),
+            (
+                "zero_ + torch scatter_add_",
+                time_ms(torch, lambda: dense.zero_().scatter_add_(0, idx64, values)),
+            ),
+            ("zero_ of n elements", time_ms(torch, dense.zero_)),
+            ("device copy of n elements", time_ms(torch, lambda: dense.copy_(src))),
+        ]
+    print(f"\nScatterSum, {kind}, n = {n:,}, 2 replicas x k = {k:,} ({density:.1%})")
+    for name, ms in rows:
+        print(f"  {name:44s} {ms:9.3f} ms   {ms / rows[0][1]:6.2f}x fused")
+
+
 def time_ms(torch, fn: Callable[[], object], iters: int = 10, warmup: int = 2) -> float:
     """Median milliseconds per call, by CUDA events on the current stream."""
     for _ in range(warmup):
@@ -592,6 +720,9 @@ def main() -> int:
             for density in (0.01, 0.001):
                 run_timing(core, args.n, density, kind)
         run_qsgd_timing(core, args.n)
+        for kind in ("float32", "float16"):
+            for density in (0.01, 0.001):
+                run_scatter_timing(core, args.n, density, kind)
     print(f"\ntotal {time.monotonic() - start:.0f} s")
     return 1 if failures else 0
 

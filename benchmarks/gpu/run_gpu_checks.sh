@@ -5,7 +5,8 @@
 # it is installed, then checks the core against the NumPy model (the CPU kernels' semantics) on
 # adversarial cases, on a non-default stream, in a CUDA graph, with guard bytes and misaligned
 # inputs, and times it at n = 100M (k = 1% and 0.1%, every dtype) against torch.topk plus
-# residual ops and a device copy of the same bytes.
+# residual ops and a device copy of the same bytes, and ScatterSum (float32, float16) against
+# torch's index_add_ / scatter_add_, a zero-fill and a copy.
 # Usage: bash benchmarks/gpu/run_gpu_checks.sh [gpu_check.py options]; builds and logs to
 # $OUT/tfs_gpu (or /tmp/tfs_gpu); CUDA_ARCH=90 overrides the detected architecture;
 # SANITIZE=0 skips compute-sanitizer. About 4 minutes on an H200 (30 s of it compiling).
@@ -27,13 +28,17 @@ echo "nvcc: $("$NVCC" --version | tail -n1); building for sm_$CAP"
 FLAGS=(-std=c++17 -O3 --fmad=false -Xcompiler -fPIC -Itf_sparsify/ops/src/include
        -gencode "arch=compute_$CAP,code=sm_$CAP")
 start=$(date +%s)
-"$NVCC" "${FLAGS[@]}" -c tf_sparsify/ops/src/cuda/topk.cu -o "$BUILD/topk.o" &
-topk=$!
-"$NVCC" "${FLAGS[@]}" -c tf_sparsify/ops/src/cuda/qsgd.cu -o "$BUILD/qsgd.o" &
-qsgd=$!
-wait "$topk"
-wait "$qsgd"
-"$NVCC" -shared -cudart static "$BUILD/topk.o" "$BUILD/qsgd.o" -o "$BUILD/libtfs_cuda.so"
+pids=()
+objects=()
+for source in topk qsgd scatter_sum; do
+  "$NVCC" "${FLAGS[@]}" -c "tf_sparsify/ops/src/cuda/$source.cu" -o "$BUILD/$source.o" &
+  pids+=($!)
+  objects+=("$BUILD/$source.o")
+done
+for pid in "${pids[@]}"; do
+  wait "$pid"
+done
+"$NVCC" -shared -cudart static "${objects[@]}" -o "$BUILD/libtfs_cuda.so"
 echo "built $BUILD/libtfs_cuda.so in $(( $(date +%s) - start )) s"
 status=0
 SAN=$(command -v compute-sanitizer || echo "$(dirname "$NVCC")/compute-sanitizer")
