@@ -21,11 +21,13 @@ import pytest
 
 from benchmarks.network import report, run
 from benchmarks.network.jobs import JobFailed, run_job
-from benchmarks.network.models import COMPRESSORS
+from benchmarks.network.models import COMPRESSORS, PROBES
 from benchmarks.network.netns import PRETEND_NO_ROOT_ENV, shaped_namespace, unavailable_reason
 from tests.conftest import ROOT
 
 BACKENDS = ("horovod", "mwms")
+#: what each backend runs: the overlap probes take Horovod's collective apart
+NAMES = {"horovod": tuple(COMPRESSORS), "mwms": tuple(c for c in COMPRESSORS if c not in PROBES)}
 TIMEOUT_S = 300
 
 
@@ -60,15 +62,16 @@ def _rows(data: dict) -> dict[tuple[str, str], dict]:
 def test_a_row_per_backend_and_compressor(quick):
     _, data, _ = quick
     rows = _rows(data)
-    assert len(data["rows"]) == len(rows) == len(BACKENDS) * len(COMPRESSORS)
+    assert len(data["rows"]) == len(rows) == sum(len(names) for names in NAMES.values())
     settings = data["settings"]
     for backend in BACKENDS:
-        for name in COMPRESSORS:
+        for name in NAMES[backend]:
             row = rows[(backend, name)]
             assert (row["model"], row["rate"], row["ranks"]) == ("tiny", "unlimited", 2)
             assert row["best_ms"] > 0 and row["median_ms"] >= row["best_ms"]
             assert len(row["windows_ms"]) == settings["rounds"]
-            assert row["steps"] == settings["warmup"] + settings["rounds"] * settings["window"]
+            steps = settings["warmup"] + settings["rounds"] * settings["window"]
+            assert row["steps"] == (0 if name == "compute" else steps)  # compute exchanges nothing
             assert row["x_dense"] > 0 and row["x_fp16"] > 0
         assert rows[(backend, "identity")]["x_dense"] == 1.0
         assert rows[(backend, "fp16")]["x_fp16"] == 1.0
@@ -88,19 +91,25 @@ def test_compressed_payloads_are_smaller(quick):
         )
         assert rows[(backend, "fp16")]["bytes_per_step"] < dense
     # the same payloads whichever front end moves them
-    for name in COMPRESSORS:
+    for name in NAMES["mwms"]:
         assert rows[("horovod", name)]["bytes_per_step"] == rows[("mwms", name)]["bytes_per_step"]
+    # the exchange-only probe moves exactly TopK 1%'s payloads
+    assert (
+        rows[("horovod", "exchange_topk1")]["bytes_per_step"]
+        == (rows[("horovod", "topk1")]["bytes_per_step"])
+    )
 
 
 def test_progress_and_tables(quick):
     stdout, data, markdown = quick
     settings = data["settings"]
     windows = [line for line in stdout.splitlines() if "ms/step" in line and "round" in line]
-    assert len(windows) == len(BACKENDS) * len(COMPRESSORS) * settings["rounds"]
+    assert len(windows) == sum(len(n) for n in NAMES.values()) * settings["rounds"]
     for backend in BACKENDS:
         assert f"### {backend}, tiny, 2 ranks" in markdown
-    for label in COMPRESSORS.values():
-        assert markdown.count(f"| {label} |") == len(BACKENDS)
+    for name, label in COMPRESSORS.items():
+        assert markdown.count(f"| {label} |") == sum(name in n for n in NAMES.values())
+    assert "- horovod, tiny: unlimited: " in markdown  # the overlap line
     assert "unlimited ×dense" in markdown and "best of" in markdown
 
 

@@ -23,7 +23,12 @@ COMPRESSORS = {
     "topk1": "TopK 1% + EF",
     "topk0.1": "TopK 0.1% + EF",
     "qsgd4": "QSGD s=4 (one bucket per tensor)",
+    # overlap probes (Horovod): the two halves of a TopK 1% step, each alone
+    "compute": "compute only (local SGD, no exchange)",
+    "exchange_topk1": "TopK 1% exchange only",
 }
+#: names in COMPRESSORS that are probes, not compressors
+PROBES = ("compute", "exchange_topk1")
 MODELS = ("mlp10m", "mobilenetv2", "tiny")
 
 

@@ -46,6 +46,8 @@ def throughput_markdown(rows: list[dict], rates: Sequence[str], compressors: Seq
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for name in compressors:
             found = [index.get((backend, model, rate, name)) for rate in rates]
+            if not any(found):  # not run in this job (the probes under MWMS)
+                continue
             sent = next((r["bytes_per_step"] for r in found if r), None)
             cells = [_label(name), _fmt(sent, ",")]
             for r in found:
@@ -58,6 +60,32 @@ def throughput_markdown(rows: list[dict], rates: Sequence[str], compressors: Seq
             lines.append("| " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def overlap_markdown(rows: list[dict], rates: Sequence[str]) -> str:
+    """Per (backend, model) with the probes: the TopK 1% step against the larger of its
+    halves, ``max(compute only, exchange only)`` (1.0 would be perfect overlap)."""
+    best = {(r["backend"], r["model"], r["rate"], r["compressor"]): r["best_ms"] for r in rows}
+    jobs = list(dict.fromkeys((r["backend"], r["model"]) for r in rows))
+    lines = []
+    for backend, model in jobs:
+        cells = []
+        for rate in rates:
+            topk, compute, exchange = (
+                best.get((backend, model, rate, name))
+                for name in ("topk1", "compute", "exchange_topk1")
+            )
+            if None not in (topk, compute, exchange):
+                ratio = topk / max(compute, exchange)
+                cells.append(
+                    f"{rate}: {topk:.1f} / max({compute:.1f}, {exchange:.1f}) = {ratio:.2f}"
+                )
+        if cells:
+            lines.append(f"- {backend}, {model}: " + "; ".join(cells))
+    if not lines:
+        return ""
+    head = "\n### Overlap: TopK 1% step / max(compute only, exchange only), ms\n\n"
+    return head + "\n".join(lines) + "\n"
 
 
 def time_to_target(points: list[dict], target: float) -> dict | None:

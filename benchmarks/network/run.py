@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 from benchmarks.network import report
 from benchmarks.network.jobs import HOROVODRUN, JobFailed, horovod_command, mwms_command, run_job
-from benchmarks.network.models import COMPRESSORS, MODELS
+from benchmarks.network.models import COMPRESSORS, MODELS, PROBES
 from benchmarks.network.netns import (
     BURST,
     LATENCY,
@@ -38,7 +38,7 @@ BACKENDS = ("horovod", "mwms")
 DEFAULTS = {
     "throughput": {
         "rates": "1gbit,10gbit,unlimited",
-        "compressors": "identity,fp16,topk1,topk0.1,qsgd4",
+        "compressors": "identity,fp16,topk1,topk0.1,qsgd4,compute,exchange_topk1",
         "out": "outputs/network_bench",
     },
     "accuracy": {
@@ -157,9 +157,11 @@ def throughput_jobs(args: argparse.Namespace, shaped: bool, tmp: str, rows: list
             f"[job {number}/{len(jobs)}] {backend} {model} {rate}: {args.np} processes", flush=True
         )
         results = os.path.join(tmp, f"job{number}.jsonl")
+        # the overlap probes take Horovod's collective apart; MWMS jobs run compressors only
+        names = [c for c in args.compressors if backend == "horovod" or c not in PROBES]
         worker_args = [
             *("--backend", backend, "--model", model, "--rate", rate, "--results", results),
-            *("--compressors", ",".join(args.compressors), "--batch", str(args.batch)),
+            *("--compressors", ",".join(names), "--batch", str(args.batch)),
             *("--image-size", str(args.image_size), "--warmup", str(args.warmup)),
             *("--rounds", str(args.rounds), "--window", str(args.window)),
             *("--threads", str(args.threads), "--timeout", str(args.timeout)),
@@ -223,6 +225,7 @@ def write(args: argparse.Namespace, records: list, note: str, complete: bool) ->
     if args.mode == "throughput":
         data["rows"] = rows = report.with_ratios(records)
         table = report.throughput_markdown(rows, args.rates, args.compressors)
+        table += report.overlap_markdown(rows, args.rates)
     else:
         data["records"] = records
         table = report.accuracy_markdown(records, args.target)

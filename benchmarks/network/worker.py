@@ -9,6 +9,9 @@ compressor at the end to ``--results``.
 
 - horovod: ``tf_sparsify.horovod.DistributedOptimizer`` compiled into the model
   (``jit_compile=False``); a step is ``model.train_on_batch`` (Keras' compiled train function).
+- horovod probes (for the overlap check: a TopK 1% step against the larger of its halves):
+  ``compute`` trains with a local Keras SGD and no exchange at all; ``exchange_topk1`` only
+  moves payloads of TopK 1%'s shapes through the same collective (one all-gather per bucket).
 - mwms: a custom loop (``strategy.run`` + ``apply_gradients``) around
   ``tf_sparsify.SparsifiedOptimizer``; Keras 3's ``model.fit`` does not run under this strategy.
 """
@@ -30,7 +33,12 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_sparsify as tfs  # noqa: E402
-from benchmarks.network.models import make_compressor, make_model, synthetic_batch  # noqa: E402
+from benchmarks.network.models import (  # noqa: E402
+    PROBES,
+    make_compressor,
+    make_model,
+    synthetic_batch,
+)
 
 SEED = 0
 
@@ -59,14 +67,48 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]
     trainers = []
     for name in args.compressors.split(","):
         model = make_model(args.model, args.image_size, SEED)
-        optimizer = th.DistributedOptimizer(keras.optimizers.SGD(args.lr), make_compressor(name))
-        model.compile(optimizer, loss_fn(), jit_compile=False)  # Horovod's ops are not XLA ops
+        compressor = make_compressor("topk1" if name in PROBES else name)
+        optimizer = th.DistributedOptimizer(keras.optimizers.SGD(args.lr), compressor)
+        if name == "exchange_topk1":
+            optimizer.build(model.trainable_variables)
+            trainers.append(Trainer(name, exchange_only(optimizer), optimizer))
+            continue
+        if name == "compute":  # trains locally; the unused exchange optimizer only counts 0
+            optimizer.build(model.trainable_variables)
+        inner = keras.optimizers.SGD(args.lr) if name == "compute" else optimizer
+        model.compile(inner, loss_fn(), jit_compile=False)  # Horovod's ops are not XLA ops
 
         def step(model: keras.Model = model) -> float:
             return float(model.train_on_batch(x, y))
 
         trainers.append(Trainer(name, step, optimizer))
     return hvd.rank(), hvd.size(), trainers
+
+
+def exchange_only(optimizer) -> Callable[[], float]:
+    """A step that only moves random payloads of the optimizer's plan (values and indices of
+    each unit, one all-gather per bucket, as the pipeline does) through its collective, and
+    counts them in ``bytes_sent``."""
+    units = optimizer.units
+    buckets = sorted({u.bucket for u in units})
+    rng = tf.random.Generator.from_seed(SEED)
+
+    @tf.function
+    def move() -> tf.Tensor:
+        collective = optimizer.collective()
+        total = tf.constant(0.0)
+        for bucket in buckets:
+            payload = []
+            for unit in (u for u in units if u.bucket == bucket):
+                k = unit.compressor.entries_sent(unit.num_elements)
+                payload += [rng.normal([k]), rng.uniform([k], 0, unit.num_elements, tf.int32)]
+            gathered = collective.all_gather(payload)
+            total += tf.add_n([tf.reduce_sum(tf.cast(g[:, :1], tf.float32)) for g in gathered])
+        optimizer.bytes_sent.assign_add(optimizer.wire_bytes_per_step)
+        optimizer.exchange_steps.assign_add(1)
+        return total
+
+    return lambda: float(move())
 
 
 def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]:
@@ -137,7 +179,7 @@ def timed_rounds(
 
 def summary(trainer: Trainer, windows: list[float]) -> dict[str, Any]:
     """The result record of one compressor: best and median window, bytes per step and rank."""
-    steps = int(trainer.optimizer.iterations.numpy())
+    steps = int(trainer.optimizer.exchange_steps.numpy())
     return {
         "event": "result",
         "compressor": trainer.compressor,
