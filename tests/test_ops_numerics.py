@@ -274,6 +274,19 @@ def test_qsgd_saturates_near_the_maximum(dtype, bucket_size):
         assert float(norms[0]) == float(np.finfo(np.float32).max)
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 19, 300])
+def test_qsgd_dequantize_float16_conversion(n):
+    """The float16 decoder (F16C where the CPU has it, in 8-wide steps plus a tail) rounds and
+    saturates as the references, and keeps NaN norms' NaNs with their signs."""
+    q = tf.constant(np.arange(n) % 255 - 127, tf.int8)
+    buckets = npref.num_buckets(n, 5)
+    norms = np.resize(np.array([np.nan, -np.nan, 1e30, 2.0, 3e-3], np.float32), buckets)
+    out = ops.qsgd_dequantize(q, tf.constant(norms), 127, 5, [n], tf.float16)
+    assert_same(out, npref.qsgd_dequantize(q.numpy(), norms, 127, 5, "float16"), "vs NumPy")
+    ref = reference.qsgd_dequantize(q, tf.constant(norms), 127, 5, [n], tf.float16)
+    assert_same(out, ref, "vs reference")
+
+
 EXTREME_BUCKETS = [2**31, 2**40, 2**62, 2**62 + 1, 2**63 - 1]
 
 

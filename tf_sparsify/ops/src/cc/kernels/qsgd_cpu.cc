@@ -20,6 +20,7 @@
 #include "tensorflow/core/platform/denormal.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "f16c.h"
 #include "tfs_common.h"
 #include "validate.h"
 
@@ -29,6 +30,7 @@ namespace {
 
 constexpr int64_t kNormBlock = 4096;
 constexpr int kLeaf = 32;
+constexpr int64_t kHalfBlock = 256;  // float32 results converted to float16 at once
 
 // QSGD's float32 view of an input (tfs::QsgdInput).
 template <typename T>
@@ -145,6 +147,26 @@ class QsgdQuantizeCpuOp : public QsgdOpKernel {
   }
 };
 
+// out[0:len] = T(q * scale) clamped to +-top, for one bucket's run. float16 is converted by
+// F16C where the CPU has it, from blocks of float32 results.
+template <typename Q, typename T>
+void DequantizeRun(const Q* q, int64_t len, float scale, float top, T* out) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, Eigen::half>) {
+    if (HasF16c()) {
+      float block[kHalfBlock];
+      for (int64_t j = 0; j < len; j += kHalfBlock) {
+        const int64_t width = std::min(kHalfBlock, len - j);
+        for (int64_t e = 0; e < width; ++e) block[e] = tfs::DequantizeOne(q[j + e], scale, top);
+        FloatsToHalfF16c(block, width, out + j);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < len; ++j) out[j] = static_cast<T>(tfs::DequantizeOne(q[j], scale, top));
+}
+
 template <typename Q, typename T>
 class QsgdDequantizeCpuOp : public QsgdOpKernel {
  public:
@@ -174,8 +196,8 @@ class QsgdDequantizeCpuOp : public QsgdOpKernel {
       for (int64_t i = begin; i < end;) {
         const int64_t j = i / b;
         const int64_t stop = std::min(end, (j + 1) * b);
-        const float scale = tfs::DequantizeScale(norms[j], levels);
-        for (; i < stop; ++i) out[i] = static_cast<T>(tfs::DequantizeOne(q[i], scale, top));
+        DequantizeRun(q + i, stop - i, tfs::DequantizeScale(norms[j], levels), top, out + i);
+        i = stop;
       }
     });
   }

@@ -42,6 +42,7 @@
 #include "tensorflow/core/platform/denormal.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "cpu_parallel.h"
+#include "f16c.h"
 #include "tfs_common.h"
 #include "validate.h"
 
@@ -91,14 +92,6 @@ __attribute__((target("avx,f16c"))) void AddHalfF16c(const Eigen::half* a, const
                      _mm256_cvtps_ph(_mm256_add_ps(x, y), _MM_FROUND_TO_NEAREST_INT));
   }
   for (; i < len; ++i) out[i] = a[i] + b[i];
-}
-
-bool HasF16c() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
-  }();
-  return has;
 }
 #endif
 
