@@ -30,6 +30,13 @@ class Collective:
         """Each tensor stacked over replicas along a new leading axis of size ``num_replicas``."""
         raise NotImplementedError
 
+    def all_to_all(self, tensors: list[tf.Tensor], splits: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each tensor's rows sent to the replicas, ``splits[i][r]`` rows to replica ``r``;
+        each result is what every replica sent here, concatenated in replica order."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no all-to-all (the sparse all-reduce needs Horovod)"
+        )
+
 
 class LocalCollective(Collective):
     """A single replica: nothing travels."""
@@ -39,6 +46,9 @@ class LocalCollective(Collective):
 
     def all_gather(self, tensors):
         return [t[None] for t in tensors]
+
+    def all_to_all(self, tensors, splits):
+        return list(tensors)
 
 
 class SimulatedWorker(LocalCollective):

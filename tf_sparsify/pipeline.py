@@ -42,6 +42,16 @@ from tf_sparsify.compressors.base import (
     serialize,
 )
 from tf_sparsify.compressors.dense import Identity
+from tf_sparsify.compressors.protocol import (
+    ALL_TO_ALL,
+    GATHER,
+    SUM,
+    Outcome,
+    Protocol,
+    Replicas,
+    Transfer,
+    scaled,
+)
 from tf_sparsify.heuristics import clipping, momentum
 from tf_sparsify.heuristics.measure import STAT_NAMES, unit_stats
 
@@ -93,10 +103,12 @@ class Message:
     remainder: tf.Tensor | None = None
     #: the new momentum buffer (momentum correction), else ``None``
     momentum: tf.Tensor | None = None
-    #: the payload after the exchange: summed, or stacked over replicas
-    received: Payload = ()
     #: the decompressed, averaged update (stacked over replicas with ``per_replica``)
     update: tf.Tensor | None = None
+    #: the compressor state before the step, then after it (custom exchanges)
+    state: tuple[tf.Tensor, ...] = ()
+    #: the exchange protocol driving this message's transfers
+    protocol: Protocol | None = None
 
 
 @dataclasses.dataclass
@@ -114,6 +126,8 @@ class StepResult:
     #: ``(wire bytes, dense bytes)`` this replica sent in the step (only variables with a
     #: gradient travel).
     sent_bytes: tuple[int, int] = (0, 0)
+    #: each planned unit's new compressor state (``None`` where none was sent)
+    states: list[tuple[tf.Tensor, ...] | None] | None = None
 
 
 class GradientPipeline:
@@ -262,6 +276,7 @@ class GradientPipeline:
         momenta: Sequence[tf.Tensor | None] | None = None,
         measure: tf.Tensor | bool | None = None,
         per_replica: bool = False,
+        states: Sequence[tuple[tf.Tensor, ...]] | None = None,
     ) -> StepResult:
         """Exchange ``grads`` (aligned with the planned variables) and return the updates.
 
@@ -273,26 +288,33 @@ class GradientPipeline:
         every payload travels by all-gather and each update gets a leading axis of size
         ``collective.num_replicas`` holding every replica's decompressed contribution (divided
         by ``divisor``); their sum is the usual update (for delayed updates and IAG).
+        ``states``: each planned unit's compressor state (``Compressor.state_specs``); the new
+        ones are in ``StepResult.states``.
         """
         if self.momentum_correction > 0 and momenta is None:
             raise ValueError("Momentum correction is on: `momenta` must be given to step().")
         grads = self.prepare(grads, collective)
-        replica_id = collective.replica_id()
+        replicas = Replicas(collective.num_replicas, collective.replica_id(), collective.divisor)
         buckets: dict[int, list[Message]] = {}
-        for unit in units:
+        for index, unit in enumerate(units):
             sent = _with_gradients(unit, grads)
             if sent is not None:
-                message = self.compress(sent, grads, residuals, momenta, step, replica_id)
+                state = () if states is None else tuple(states[index])
+                message = self.compress(
+                    sent, grads, residuals, momenta, step, replicas, state, per_replica
+                )
                 buckets.setdefault(unit.bucket, []).append(message)
         finite = []
         for bucket in buckets.values():  # each bucket depends only on its own gradients
-            self.exchange(bucket, collective, per_replica)
-            finite.append(self.decompress(bucket, collective, per_replica))
+            finite.append(self.exchange(bucket, collective))
         messages = [m for bucket in buckets.values() for m in bucket]
         result = _assemble(messages, len(grads), self.momentum_correction > 0, per_replica)
         result.finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+        result.states = [
+            next((m.state for m in messages if m.unit.indices == u.indices), None) for u in units
+        ]
         if measure is not None:
-            result.stats = self.measure(units, messages, measure, step, replica_id)
+            result.stats = self.measure(units, messages, measure, step, replicas.replica_id)
         return result
 
     def prepare(
@@ -314,9 +336,12 @@ class GradientPipeline:
         residuals: Sequence[tf.Tensor | None],
         momenta: Sequence[tf.Tensor | None] | None,
         step: tf.Tensor,
-        replica_id: tf.Tensor,
+        replicas: Replicas,
+        state: tuple[tf.Tensor, ...] = (),
+        per_replica: bool = False,
     ) -> Message:
-        """Momentum correction, compensation with the residual and compression of one unit."""
+        """Momentum correction, compensation with the residual and compression of one unit;
+        the message carries the protocol its payloads travel by."""
         compressor = unit.compressor
         g = _join([grads[i] for i in unit.indices])
         x, e, remainder = g, None, None
@@ -327,11 +352,17 @@ class GradientPipeline:
         tensor_id = unit.indices[0]
         if unit.error_feedback:
             e = _join([residuals[i] for i in unit.indices])
+        if compressor.custom_exchange:  # several rounds: compression happens inside
+            ctx = Context(x.shape, x.dtype, step, tensor_id)
+            message = Message(unit, g, x, e, (), ctx, state=state)
+            message.protocol = compressor.protocol(x, e, state, ctx, replicas, per_replica)
+            return message
+        if unit.error_feedback:
             payload, ctx, remainder = compressor.compress_with_feedback(
-                x, e, step, tensor_id, replica_id
+                x, e, step, tensor_id, replicas.replica_id
             )
         else:
-            payload, ctx = compressor.compress(x, step, tensor_id, replica_id)
+            payload, ctx = compressor.compress(x, step, tensor_id, replicas.replica_id)
         new_momentum = None
         if use_momentum:
             new_momentum = x
@@ -342,40 +373,35 @@ class GradientPipeline:
             # what this replica keeps would be non-finite: make the payload say so
             ok = tf.reduce_all(tf.stack([_all_finite(t) for t in kept]))
             payload = _mark(payload, ok)
-        return Message(unit, g, x, e, payload, ctx, remainder, new_momentum)
+        message = Message(unit, g, x, e, payload, ctx, remainder, new_momentum)
+        message.protocol = _one_round(message, replicas, per_replica)
+        return message
 
-    def exchange(self, bucket: list[Message], collective: Collective, per_replica: bool) -> None:
-        """One all-reduce of the bucket's summable payloads and one all-gather of the others
-        (all by all-gather with ``per_replica``); fills ``received``."""
-        summed = [m for m in bucket if m.unit.compressor.summable and not per_replica]
-        gathered = [m for m in bucket if not (m.unit.compressor.summable and not per_replica)]
-        for group, move in ((summed, collective.all_reduce_sum), (gathered, collective.all_gather)):
-            received = iter(move([t for m in group for t in m.payload]))
-            for m in group:
-                m.received = tuple(next(received) for _ in m.payload)
-
-    def decompress(
-        self, bucket: list[Message], collective: Collective, per_replica: bool
-    ) -> tf.Tensor:
-        """Decompress and average the bucket's received payloads (fills ``update``); returns
-        whether they are all finite, which every replica agrees on (it sees the same payloads)."""
-        for m in bucket:
-            compressor, received = m.unit.compressor, m.received
-            if per_replica:
-                total = tf.stack(
-                    [
-                        compressor.decompress(tuple(t[r] for t in received), m.ctx)
-                        for r in range(collective.num_replicas)
-                    ]
-                )
-            elif compressor.summable:
-                total = compressor.decompress(received, m.ctx)
-            else:
-                total = compressor.decompress_sum(received, m.ctx, collective.num_replicas)
-            if collective.divisor != 1:
-                total = total * tf.cast(1.0 / collective.divisor, total.dtype)
-            m.update = total
-        checks = [_all_finite(t) for m in bucket for t in m.received if t.dtype.is_floating]
+    def exchange(self, bucket: list[Message], collective: Collective) -> tf.Tensor:
+        """Drive the bucket's protocols in lockstep: each round, one collective call per kind
+        carries every unit's transfer of that kind. Fills each message's ``update``,
+        ``remainder`` and ``state``; returns whether the tensors every replica shares are all
+        finite (every replica computes the same answer)."""
+        pending = {i: next(m.protocol) for i, m in enumerate(bucket)}
+        shared: list[tf.Tensor] = []
+        while pending:
+            received: dict[int, tuple[tf.Tensor, ...]] = {}
+            for kind in (SUM, GATHER, ALL_TO_ALL):
+                items = [(i, t) for i, t in pending.items() if t.kind == kind]
+                if items:
+                    received.update(_transfer(collective, kind, items))
+            for i in list(pending):
+                try:
+                    pending[i] = bucket[i].protocol.send(received[i])
+                except StopIteration as done:
+                    del pending[i]
+                    outcome: Outcome = done.value
+                    m = bucket[i]
+                    m.update, m.state = outcome.update, outcome.state
+                    if m.remainder is None:
+                        m.remainder = outcome.remainder
+                    shared += [t for t in outcome.shared if t.dtype.is_floating]
+        checks = [_all_finite(t) for t in shared]
         return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
     def measure(
@@ -401,6 +427,10 @@ class GradientPipeline:
                 compressor = m.unit.compressor
                 acc = m.x if m.residual is None else m.x + m.residual
                 error = m.remainder
+                if compressor.custom_exchange:  # no local payload to decode: the residual only
+                    error = tf.zeros_like(acc) if error is None else error
+                    rows.append(unit_stats(m.grad, acc, error, tf.zeros_like(m.grad)))
+                    continue
                 if error is None:
                     error = acc - compressor.decompress(m.payload, m.ctx)
                 if compressor.is_identity:
@@ -495,6 +525,41 @@ def _assemble(
                 momenta[i] = part
     sent = bytes_per_step([m.unit for m in messages])
     return StepResult(updates, residuals, tf.constant(True), momenta, sent_bytes=sent)
+
+
+def _one_round(m: Message, replicas: Replicas, per_replica: bool) -> Protocol:
+    """The protocol of single-round compressors: the payload is summed (summable ones) or
+    gathered, then decompressed and divided by the divisor."""
+    compressor = m.unit.compressor
+    summed = compressor.summable and not per_replica
+    received = yield Transfer(SUM if summed else GATHER, m.payload)
+    if per_replica:
+        total = tf.stack(
+            [
+                compressor.decompress(tuple(t[r] for t in received), m.ctx)
+                for r in range(replicas.count)
+            ]
+        )
+    elif summed:
+        total = compressor.decompress(received, m.ctx)
+    else:
+        total = compressor.decompress_sum(received, m.ctx, replicas.count)
+    return Outcome(scaled(total, replicas.divisor), shared=received)
+
+
+def _transfer(
+    collective: Collective, kind: str, items: list[tuple[int, Transfer]]
+) -> dict[int, tuple[tf.Tensor, ...]]:
+    """One collective call of ``kind`` for every unit's transfer; results by unit."""
+    tensors = [t for _, transfer in items for t in transfer.tensors]
+    if kind == SUM:
+        results = iter(collective.all_reduce_sum(tensors))
+    elif kind == GATHER:
+        results = iter(collective.all_gather(tensors))
+    else:
+        splits = [transfer.splits for _, transfer in items for _ in transfer.tensors]
+        results = iter(collective.all_to_all(tensors, splits))
+    return {i: tuple(next(results) for _ in transfer.tensors) for i, transfer in items}
 
 
 def _join(tensors: list[tf.Tensor]) -> tf.Tensor:

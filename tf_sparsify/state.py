@@ -23,8 +23,10 @@ from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, bytes_per_s
 
 #: ``"per_replica"``: each replica writes its own copy, summed when read across replicas
 #: (residuals, momenta); ``"per_replica_mean"``: the same, averaged (diagnostics);
-#: ``"shared"``: one value (counters; the first replica's).
-Kind = Literal["per_replica", "per_replica_mean", "shared"]
+#: ``"replicated"``: each replica writes its own, identical copy (a custom exchange's state,
+#: agreed through its collectives; read as the first replica's); ``"shared"``: one value
+#: (counters; the first replica's).
+Kind = Literal["per_replica", "per_replica_mean", "replicated", "shared"]
 #: ``make_variable(name, shape, dtype, kind)``: a zero variable, tracked by the front end.
 VariableFactory = Callable[[str, tuple[int, ...], tf.DType, Kind], Any]
 
@@ -55,6 +57,8 @@ class ExchangeState:
         self.units: list[Unit] = []
         self.residuals: list = []
         self.momenta: list = []
+        #: per planned unit, the variables of its compressor's state (custom exchanges)
+        self.states: list[tuple] = []
         self.names: tuple[str, ...] = ()
         self.bytes_sent = self.dense_bytes = None
         self.diagnostics = self.diagnostics_step = None
@@ -84,6 +88,13 @@ class ExchangeState:
             self.pipeline.needs_residual(self.units, len(variables)), "residual"
         )
         self.momenta = buffers(self.pipeline.needs_momentum(self.units, len(variables)), "momentum")
+        self.states = [
+            tuple(
+                self._make(f"{leaves[u.indices[0]]}_state{j}", tuple(shape), dtype, "replicated")
+                for j, (shape, dtype) in enumerate(u.compressor.state_specs(u.shapes[0], u.dtype))
+            )
+            for u in self.units
+        ]
         if self.step is None:
             self.step = self._make("step", (), tf.int64, "shared")
         self.bytes_sent = self._make("bytes_sent", (), tf.int64, "shared")
@@ -153,6 +164,7 @@ class ExchangeState:
                 momenta=_values(self.momenta) if self.pipeline.momentum_correction else None,
                 measure=record,
                 per_replica=per_replica,
+                states=[_values(list(s)) for s in self.states],
             )
         else:
             result = self._run_workers(grads, record)
@@ -161,6 +173,11 @@ class ExchangeState:
 
     def _run_workers(self, grads: list, record) -> StepResult:
         """The pipeline once per simulated worker, each with its row of the buffers."""
+        if any(u.compressor.custom_exchange for u in self.units):
+            raise ValueError(
+                f"compressor={self.pipeline.compressor!r} runs its own exchange, which simulated "
+                "workers cannot split per worker."
+            )
         for g in grads:
             if g is not None and g.shape[0] != self.workers:
                 raise ValueError(
@@ -194,6 +211,9 @@ class ExchangeState:
             for variable, new in zip(variables, news, strict=True)
             if variable is not None and new is not None
         ]
+        for variables, news in zip(self.states, result.states or [], strict=False):
+            if news:
+                pairs += list(zip(variables, news, strict=True))
         if pairs:
 
             def store() -> tf.Tensor:

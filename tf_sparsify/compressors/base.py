@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import tensorflow as tf
@@ -12,6 +12,9 @@ import tensorflow as tf
 from tf_sparsify import ops
 
 Payload = tuple[tf.Tensor, ...]
+
+if TYPE_CHECKING:
+    from tf_sparsify.compressors.protocol import Protocol, Replicas
 
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 MAX_SEED = 2**63 - 1  # seeds travel as int64
@@ -64,6 +67,9 @@ class Compressor:
     #: a non-finite input always makes a float tensor of the payload non-finite, so receivers
     #: see a bad step in the payload itself (the pipeline then needs no separate check)
     reveals_non_finite: ClassVar[bool] = False
+    #: the compressor runs its own exchange (:meth:`protocol`: several rounds, or other
+    #: collectives) instead of compress, one transfer, decompress
+    custom_exchange: ClassVar[bool] = False
     #: whether ``compress`` needs the tensor's size at trace time (the payload layout uses it)
     needs_static_shape: ClassVar[bool] = True
     _unkeyed_steps: tf.Variable | None = None
@@ -122,6 +128,26 @@ class Compressor:
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         """Exact bytes of the payload for a tensor of ``num_elements`` entries of ``dtype``."""
         raise NotImplementedError
+
+    def protocol(
+        self,
+        tensor: tf.Tensor,
+        residual: tf.Tensor | None,
+        state: tuple[tf.Tensor, ...],
+        ctx: Context,
+        replicas: Replicas,
+        per_replica: bool,
+    ) -> Protocol:
+        """The exchange of a ``custom_exchange`` compressor for one unit: compress ``tensor``
+        (plus ``residual`` with error feedback), yield transfers, and return the
+        :class:`~tf_sparsify.compressors.protocol.Outcome` (update divided by the divisor, new
+        residual, new state). ``state`` holds the tensors of :meth:`state_specs`."""
+        raise NotImplementedError(f"{type(self).__name__} has no custom exchange")
+
+    def state_specs(self, shape: tf.TensorShape, dtype: tf.DType) -> tuple[tuple, ...]:
+        """``(shape, dtype)`` of each state tensor a custom exchange keeps for a tensor of this
+        shape (checkpointed with the residuals; zeros at first)."""
+        return ()
 
     def sent_mask(self, payload: Payload, ctx: Context) -> tf.Tensor:
         """1 where this payload carries an entry of the tensor, 0 elsewhere (``ctx``'s shape and

@@ -175,8 +175,8 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
             return self.add_variable(
                 shape, dtype=dtype, aggregation="only_first_replica", name=name
             )
-        aggregation = "mean" if kind == "per_replica_mean" else "sum"
-        return compat.replica_variable(self, shape, dtype, name, aggregation)
+        aggregation = {"per_replica_mean": "mean", "replicated": "only_first_replica"}
+        return compat.replica_variable(self, shape, dtype, name, aggregation.get(kind, "sum"))
 
     @property
     def diagnostics_every(self) -> int:
