@@ -27,10 +27,10 @@ from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.horovod.check import check_once, plan_fields
 from tf_sparsify.horovod.collective import HorovodCollective
 from tf_sparsify.pipeline import GradientPipeline
-from tf_sparsify.state import ExchangeState
+from tf_sparsify.state import ExchangeState, StateViews
 
 
-class GradientExchange(tf.Module):
+class GradientExchange(StateViews, tf.Module):
     """Compress, exchange through Horovod and average one list of gradients per step.
 
     The same :class:`~tf_sparsify.pipeline.GradientPipeline`,
@@ -99,43 +99,8 @@ class GradientExchange(tf.Module):
         return self._state.step
 
     @property
-    def bytes_sent(self) -> tf.Variable | None:
-        return self._state.bytes_sent
-
-    @property
-    def dense_bytes(self) -> tf.Variable | None:
-        return self._state.dense_bytes
-
-    @property
-    def residuals(self) -> list:
-        return list(self._state.residuals)
-
-    @property
-    def momenta(self) -> list:
-        return list(self._state.momenta)
-
-    @property
-    def diagnostics(self) -> tf.Variable | None:
-        """The ``[units, 5]`` diagnostics record (rows :attr:`diagnostics_names`, columns
-        :data:`~tf_sparsify.heuristics.measure.STAT_NAMES`), with ``diagnostics_every``."""
-        return self._state.diagnostics
-
-    @property
-    def diagnostics_names(self) -> tuple[str, ...]:
-        return self._state.names
-
-    @property
     def bytes_to_horovod(self) -> tf.Variable:
         return self._local.horovod_bytes
-
-    @property
-    def units(self) -> list:
-        """The planned messages of one step (empty before the first call)."""
-        return list(self._state.units)
-
-    @property
-    def wire_bytes_per_step(self) -> int:
-        return self._state.bytes_per_step[0]
 
     def needs_state(self) -> bool:
         """Whether this exchange must outlive one tape: it keeps residuals or momenta, or

@@ -12,7 +12,7 @@ from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
 from tf_sparsify.keras import compat
 from tf_sparsify.pipeline import GradientPipeline, StepResult
-from tf_sparsify.state import ExchangeState
+from tf_sparsify.state import ExchangeState, StateViews
 
 _BASE_OPTIONS = (
     "weight_decay",
@@ -52,7 +52,7 @@ class _InnerOption:
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
-class SparsifiedOptimizer(keras.optimizers.Optimizer):
+class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     """Wraps any Keras 3 optimizer; each replica compresses its own gradient.
 
     Per step and replica: ``acc = residual + grad`` (with error feedback), the compressed
@@ -188,63 +188,6 @@ class SparsifiedOptimizer(keras.optimizers.Optimizer):
         A built optimizer creates its diagnostics variables here: call it under the model's
         distribution strategy scope."""
         self._state.enable_diagnostics(every)
-
-    @property
-    def diagnostics(self):
-        """The ``[units, 5]`` diagnostics variable (``None`` until diagnostics are enabled and
-        the optimizer is built); rows follow ``diagnostics_names``, columns
-        :data:`~tf_sparsify.heuristics.measure.STAT_NAMES`."""
-        return self._state.diagnostics
-
-    @property
-    def diagnostics_step(self):
-        """The number of steps done when the diagnostics were last recorded (0: never)."""
-        return self._state.diagnostics_step
-
-    @property
-    def diagnostics_names(self) -> tuple[str, ...]:
-        """The name of each planned message: the variable's path, or ``global_<dtype>``."""
-        return self._state.names
-
-    @property
-    def units(self) -> list:
-        """The planned messages (:class:`~tf_sparsify.pipeline.Unit`) of one step."""
-        return list(self._state.units)
-
-    @property
-    def residuals(self) -> list:
-        """The residual variable of each trainable variable (``None`` where there is none)."""
-        return list(self._state.residuals)
-
-    @property
-    def momenta(self) -> list:
-        """The momentum buffer of each trainable variable (momentum correction), or ``None``."""
-        return list(self._state.momenta)
-
-    @property
-    def exchange_steps(self):
-        """The number of exchanges done (it keys random choices; Keras' ``iterations`` is the
-        inner optimizer's, which may count accumulation steps differently)."""
-        return self._state.step
-
-    @property
-    def bytes_sent(self):
-        """Payload bytes this replica sent, summed over steps."""
-        return self._state.bytes_sent
-
-    @property
-    def dense_bytes(self):
-        """What the same steps would have sent uncompressed."""
-        return self._state.dense_bytes
-
-    @property
-    def wire_bytes_per_step(self) -> int:
-        """Payload bytes of a step in which every variable has a gradient."""
-        return self._state.bytes_per_step[0]
-
-    @property
-    def dense_bytes_per_step(self) -> int:
-        return self._state.bytes_per_step[1]
 
     def set_compressor(self, compressor: Compressor) -> None:
         """Use ``compressor`` from the next trace of the train step on (e.g. a new density).
