@@ -77,8 +77,13 @@ class Unit:
         return sum(s.num_elements() for s in self.shapes)
 
     @property
+    def shape(self) -> tf.TensorShape:
+        """The shape of the tensor the compressor sees: the variable's, or flat for several."""
+        return self.shapes[0] if len(self.shapes) == 1 else tf.TensorShape([self.num_elements])
+
+    @property
     def wire_bytes(self) -> int:
-        return self.compressor.wire_bytes(self.num_elements, self.dtype)
+        return self.compressor.wire_bytes_for(self.shape, self.dtype)
 
     @property
     def dense_bytes(self) -> int:
@@ -187,6 +192,7 @@ class GradientPipeline:
             raise ValueError(f"`skip_1d` must be True or False; received skip_1d={skip_1d!r}")
         self.skip_1d = skip_1d
         self.momentum_correction = momentum.check_momentum(momentum_correction)
+        _check_compressor_options(compressor, scope, self.momentum_correction)
         self.local_clipnorm = clipping.check_clipnorm(local_clipnorm)
         self.bucket_bytes = (
             DEFAULT_BUCKET_BYTES
@@ -467,6 +473,23 @@ class GradientPipeline:
                 else {}
             ),
         }
+
+
+def _check_compressor_options(compressor: Compressor, scope: str, momentum: float) -> None:
+    """ValueError for options a compressor cannot honour: ``scope="global"`` for a shape-aware
+    one, momentum correction for one that runs its own exchange (it reports no sent entries
+    to mask the momentum at, and keeps no momentum buffers)."""
+    if scope == "global" and compressor.shape_aware:
+        raise ValueError(
+            f"`scope='global'` joins the gradients into one flat vector, but {compressor!r} "
+            "compresses each tensor by its shape: use scope='layer'."
+        )
+    if momentum > 0 and compressor.custom_exchange:
+        raise ValueError(
+            f"`momentum_correction` masks the momentum where a payload sent entries; "
+            f"{compressor!r} runs its own exchange, which sends no such entries and keeps no "
+            "momentum buffers: use the inner optimizer's momentum (momentum_correction=0)."
+        )
 
 
 def bytes_per_step(units: Sequence[Unit]) -> tuple[int, int]:

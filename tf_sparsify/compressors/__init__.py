@@ -2,6 +2,7 @@
 
 from tf_sparsify.compressors.base import Compressor, Context, deserialize, serialize
 from tf_sparsify.compressors.dense import BF16, FP16, Identity
+from tf_sparsify.compressors.powersgd import PowerSGD
 from tf_sparsify.compressors.qsgd import QSGD
 from tf_sparsify.compressors.randomk import RandomK
 from tf_sparsify.compressors.ternary import ScaledSign, TernGrad
@@ -14,6 +15,7 @@ __all__ = [
     "Compressor",
     "Context",
     "Identity",
+    "PowerSGD",
     "RandomK",
     "ScaledSign",
     "TernGrad",

@@ -72,6 +72,13 @@ class Compressor:
     custom_exchange: ClassVar[bool] = False
     #: whether ``compress`` needs the tensor's size at trace time (the payload layout uses it)
     needs_static_shape: ClassVar[bool] = True
+    #: the compressor works on each tensor's shape (PowerSGD: matrices), so it cannot take
+    #: gradients joined into one flat vector (``scope="global"``)
+    shape_aware: ClassVar[bool] = False
+    #: error feedback is part of the compressor's published algorithm and its residual stays
+    #: bounded without a contraction (see :func:`check_contraction`); off for every compressor
+    #: that only the generic contraction argument covers
+    error_feedback_by_design: ClassVar[bool] = False
     _unkeyed_steps: tf.Variable | None = None
 
     def __init_subclass__(cls, **kwargs: Any):
@@ -128,6 +135,11 @@ class Compressor:
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         """Exact bytes of the payload for a tensor of ``num_elements`` entries of ``dtype``."""
         raise NotImplementedError
+
+    def wire_bytes_for(self, shape: tf.TensorShape, dtype: tf.DType = tf.float32) -> int:
+        """Exact bytes of the payload for a tensor of this ``shape``; shape-aware compressors
+        override it, the others send :meth:`wire_bytes` of its size."""
+        return self.wire_bytes(tf.TensorShape(shape).num_elements(), dtype)
 
     def protocol(
         self,
@@ -278,10 +290,12 @@ def check_seed(seed: Any) -> int:
     return check_positive_int("seed", seed, minimum=0, maximum=MAX_SEED)
 
 
-def check_contraction(compressor: Compressor, num_elements: int) -> float:
-    """``compressor.contraction(num_elements)``; ValueError naming ``error_feedback`` if None."""
+def check_contraction(compressor: Compressor, num_elements: int) -> float | None:
+    """``compressor.contraction(num_elements)``; ValueError naming ``error_feedback`` if None,
+    unless error feedback is part of the compressor's algorithm (``error_feedback_by_design``,
+    PowerSGD: its residual is a projection of the accumulator, never longer than it)."""
     delta = compressor.contraction(num_elements)
-    if delta is not None:
+    if delta is not None or compressor.error_feedback_by_design:
         return delta
     beta = compressor.variance_bound(num_elements) if compressor.unbiased else None
     why = (
