@@ -134,6 +134,14 @@ def test_update_is_mean_of_decompressed_payloads_and_bytes_match(exact, config):
             assert record["wire_bytes_per_step"] < record["dense_bytes_per_step"]
 
 
+def test_powersgd_update_matches_numpy_and_bytes_match(exact):
+    """PowerSGD(2): the update approximates the mean over ranks as NumPy computes it, residual
+    and Q as by hand, and the bytes handed to Horovod are the wire bytes (P and Q, flat in the
+    ranks, plus the tensors sent dense)."""
+    for record in _passed(exact, "update_powersgd").values():
+        assert record["wire_bytes_per_step"] < record["dense_bytes_per_step"]
+
+
 def test_exchange_checkpoint_restores_residuals_and_step(exact):
     _passed(exact, "exchange_checkpoint")
 

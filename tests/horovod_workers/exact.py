@@ -16,6 +16,7 @@ from common import Checks, assert_close, hvd
 
 import tf_sparsify as tfs
 import tf_sparsify.horovod as th
+from tests.powersgd_reference import numpy_powersgd
 
 SIZE, RANK = hvd.size(), hvd.rank()
 SHAPES = [(6, 5), (5,), (5, 3), (3,)]
@@ -148,6 +149,45 @@ def check_config(name: str) -> dict:
         "wire_bytes_per_step": opt.wire_bytes_per_step,
         "dense_bytes_per_step": opt.dense_bytes_per_step,
     }
+
+
+def check_powersgd() -> dict:
+    """PowerSGD(2) in DistributedOptimizer and GradientExchange: the (6, 5) gradient's update
+    (the mean over ranks approximated: divisor = size), this rank's residual and Q against
+    NumPy; the others (vectors, and (5, 3) where rank 2 does not pay) averaged exactly; the
+    bytes handed to Horovod == bytes_sent == r (n + m) floats + the dense tensors."""
+    grads = [
+        np.stack([[grads_of(p, t)[i].numpy() for p in range(SIZE)] for t in range(STEPS)])
+        for i in range(len(SHAPES))
+    ]
+    expected = numpy_powersgd(grads[0], 2, divisor=SIZE, draw_dtype=tf.float32)
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
+    opt = th.DistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0), tfs.PowerSGD(2))
+    exchange = th.GradientExchange(tfs.PowerSGD(2))
+
+    @tf.function
+    def apply(grads):
+        opt.apply(grads, variables)
+
+    for step in range(STEPS):
+        before = [v.numpy() for v in variables]
+        apply(grads_of(RANK, step))
+        got = [b - v.numpy() for b, v in zip(before, variables, strict=True)]
+        tape_got = exchange.average(grads_of(RANK, step), variables)
+        wanted = [expected[step][0]] + [g[step].mean(axis=0) for g in grads[1:]]
+        for i, want in enumerate(wanted):
+            assert_close(got[i], want, f"optimizer update {i} step {step}")
+            assert_close(tape_got[i], want, f"tape update {i} step {step}")
+    (q,) = (v for v in opt.variables if "_state" in v.name)
+    assert_close(q.numpy(), expected[-1][2], "Q")
+    assert_close(opt.residuals[0].numpy(), expected[-1][1][RANK], "optimizer residual")
+    assert_close(exchange.residuals[0].numpy(), expected[-1][1][RANK], "exchange residual")
+    wire = 4 * (2 * (6 + 5) + 5 + 5 * 3 + 3)
+    for front in (opt, exchange):
+        sent = (int(front.bytes_to_horovod.numpy()), int(front.bytes_sent.numpy()))
+        if sent != (STEPS * wire, STEPS * wire) or front.wire_bytes_per_step != wire:
+            raise AssertionError(f"bytes to Horovod, bytes_sent {sent}: want {STEPS * wire}")
+    return {"wire_bytes_per_step": wire, "dense_bytes_per_step": opt.dense_bytes_per_step}
 
 
 def check_exchange_checkpoint(tmp: str) -> dict:
@@ -397,6 +437,7 @@ def main() -> None:
     checks = Checks()
     for name in CONFIGS:
         checks.run(f"update_{name}", lambda name=name: check_config(name))
+    checks.run("update_powersgd", check_powersgd)
     with tempfile.TemporaryDirectory() as tmp:
         checks.run("exchange_checkpoint", lambda: check_exchange_checkpoint(tmp))
     checks.run("tape_momentum_equals_optimizer", check_tape_momentum_equals_optimizer)

@@ -62,6 +62,8 @@ class PowerSGD(Compressor):
 
     unbiased = False
     summable = False
+    #: the first ``Q`` is drawn from ``(seed, step, tensor)``
+    randomized = True
     custom_exchange = True
     shape_aware = True
     error_feedback_by_design = True
