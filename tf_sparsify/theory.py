@@ -5,6 +5,8 @@
   unbiased random quantizer, ``E||Q(v) - v||^2 <= beta ||v||^2``.
 - :func:`smoothness_least_squares`, :func:`smoothness_logistic`: the smoothness constant ``L`` of
   the two classic objectives on a data matrix, by power iteration.
+- the network what-if of :mod:`tf_sparsify.whatif` (alpha-beta step-time models of each exchange
+  method: :func:`predict`, :func:`sweep`, :func:`crossover_workers`, ...), re-exported here.
 
 Objectives, for a data matrix ``X`` of ``n`` rows (a row per sample):
 ``least squares  f(w) = ||X w - y||^2 / (2 n) + l2 ||w||^2 / 2`` and
@@ -18,6 +20,55 @@ import math
 import numpy as np
 
 from tf_sparsify.compressors.base import Compressor, check_positive_int
+from tf_sparsify.whatif import (
+    MLP10M,
+    Cluster,
+    DenseAllReduce,
+    Hierarchical,
+    Layers,
+    Link,
+    PowerSGDAllReduce,
+    Prediction,
+    QSGDAllGather,
+    SparseAllReduce,
+    TopKAllGather,
+    comm_time,
+    crossover_workers,
+    mlp_layers,
+    predict,
+    step_time,
+    sweep,
+    winner,
+    winner_ranges,
+)
+
+__all__ = [
+    "MLP10M",
+    "Cluster",
+    "DenseAllReduce",
+    "Hierarchical",
+    "Layers",
+    "Link",
+    "PowerSGDAllReduce",
+    "Prediction",
+    "QSGDAllGather",
+    "SparseAllReduce",
+    "TopKAllGather",
+    "comm_time",
+    "crossover_workers",
+    "largest_eigenvalue",
+    "max_step_size",
+    "mlp_layers",
+    "predict",
+    "smoothness_least_squares",
+    "smoothness_logistic",
+    "step_time",
+    "sweep",
+    "ternary_variance",
+    "variance_bound",
+    "winner",
+    "winner_ranges",
+]
 
 
 def max_step_size(L: float, tau: int) -> float:
