@@ -14,7 +14,9 @@ plain SGD through :class:`tf_sparsify.SparsifiedOptimizer` (TopK over the whole 
 steps with :class:`tf_sparsify.CompressionDiagnostics` and the bytes with
 :class:`tf_sparsify.CompressionStats`, and runs a few more K for the norm-gap curve. With
 ``--dgc`` it adds, on the MLP, DGC's heuristics at K = 0.1% (momentum correction 0.9, local
-clipping, density warm-up) against dense SGD with momentum 0.9.
+clipping, density warm-up) against dense SGD with momentum 0.9. For accuracy against bytes it
+also trains with :class:`tf_sparsify.PowerSGD` of rank 1, 2 and 4 (rank 1 with ``--quick``),
+per layer, with error feedback.
 
 Outputs (under ``--out``, default ``outputs/topk_study``): ``results.json``, ``table.md``,
 ``norm_gap_vs_k.png``, ``convergence.png``, ``accuracy_vs_bytes.png`` and one diagnostics PNG.
@@ -36,6 +38,7 @@ import numpy as np
 
 CONVERGENCE_K = (0.001, 0.01, 0.1, 1.0)
 EXTRA_GAP_K = (0.003, 0.03, 0.3)
+POWERSGD_RANKS = (1, 2, 4)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,11 +94,10 @@ def run(cfg: dict, data, args, strategy) -> dict:
     with strategy.scope():
         model = build_model(keras, cfg["task"])
         inner = keras.optimizers.SGD(args.lr, momentum=cfg.get("inner_momentum", 0.0))
-        k = cfg["k"]
-        compressor = tfs.Identity() if k >= 1.0 else tfs.TopK(ratio=k)
         options = cfg.get("options", {})
+        scope = cfg.get("scope", "global")
         opt = tfs.SparsifiedOptimizer(
-            inner, compressor, error_feedback=cfg["ef"], scope="global", **options
+            inner, compressor_of(tfs, cfg), error_feedback=cfg["ef"], scope=scope, **options
         )
         model.compile(
             opt,
@@ -105,7 +107,7 @@ def run(cfg: dict, data, args, strategy) -> dict:
     diag = tfs.CompressionDiagnostics(every_n_steps=args.every)
     callbacks = [tfs.CompressionStats(), diag]
     if cfg.get("warmup"):
-        callbacks.insert(0, tfs.DensityWarmup(tfs.dgc_density_schedule(k)))
+        callbacks.insert(0, tfs.DensityWarmup(tfs.dgc_density_schedule(cfg["k"])))
     start = time.perf_counter()
     hist = model.fit(
         x_tr,
@@ -123,6 +125,7 @@ def run(cfg: dict, data, args, strategy) -> dict:
     fresh = [r["grad_norm_gap"] for r in half]
     return {
         **{key: cfg[key] for key in ("task", "k", "ef", "label", "epochs")},
+        "rank": cfg.get("rank"),
         "n": n,
         "loss": hist["loss"],
         "val_accuracy": hist["val_accuracy"],
@@ -141,6 +144,13 @@ def run(cfg: dict, data, args, strategy) -> dict:
         "wall_s": wall,
         "records": diag.records,
     }
+
+
+def compressor_of(tfs, cfg: dict):
+    """PowerSGD of the run's rank, else TopK at K (``Identity`` at 100%)."""
+    if cfg.get("rank"):
+        return tfs.PowerSGD(cfg["rank"])
+    return tfs.Identity() if cfg["k"] >= 1.0 else tfs.TopK(ratio=cfg["k"])
 
 
 def configs(args) -> list[dict]:
@@ -179,6 +189,19 @@ def configs(args) -> list[dict]:
                     options=dict(momentum_correction=0.9, local_clipnorm=5.0),
                 )
             )
+        for rank in POWERSGD_RANKS[:1] if args.quick else POWERSGD_RANKS:
+            out.append(
+                dict(
+                    task=task,
+                    k=None,
+                    rank=rank,
+                    ef=True,
+                    label=f"PowerSGD rank {rank}",
+                    epochs=args.epochs,
+                    group="powersgd",
+                    scope="layer",
+                )
+            )
     return out
 
 
@@ -191,14 +214,18 @@ def table(results: list[dict]) -> str:
     ]
     for r in results:
         ratio = r["dense_bytes_per_step"] / r["bytes_per_step"][-1]
-        k = "100%" if r["k"] >= 1.0 else f"{r['k']:.1%}"
-        label = r["label"] if "DGC" in r["label"] or "momentum" in r["label"] else k
+        low_rank = r["k"] is None  # PowerSGD: no fresh-gradient gap measured, no worst case
+        label = r["label"]
+        if not (low_rank or "DGC" in label or "momentum" in label):
+            label = "100%" if r["k"] >= 1.0 else f"{r['k']:.1%}"
+        fresh, worst = (
+            ("–", "–") if low_rank else (f"{r['grad_gap_mean']:.3f}", f"{r['norm_gap_bound']:.4f}")
+        )
         lines.append(
             f"| {r['task']} | {label} | {'yes' if r['ef'] else 'no'} "
             f"| {r['loss'][min(4, len(r['loss']) - 1)]:.4f} | {r['loss'][-1]:.4f} "
             f"| {r['val_accuracy'][-1]:.4f} | {r['bytes_per_step'][-1]:,.0f} | {ratio:.1f}x "
-            f"| {_bytes_to(r, 0.9)} "
-            f"| {r['norm_gap_mean']:.3f} | {r['grad_gap_mean']:.3f} | {r['norm_gap_bound']:.4f} |"
+            f"| {_bytes_to(r, 0.9)} | {r['norm_gap_mean']:.3f} | {fresh} | {worst} |"
         )
     return "\n".join(lines)
 
@@ -217,7 +244,7 @@ def plot_gap(results, path):
     tasks = sorted({r["task"] for r in results})
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 3.8), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
-        rs = [r for r in results if r["task"] == task and r["k"] < 1.0 and "group" not in r]
+        rs = [r for r in results if r["task"] == task and "group" not in r and r["k"] < 1.0]
         n = rs[0]["n"]
         grid = np.logspace(math.log10(min(r["k"] for r in rs)) - 0.2, 0, 100)
         ax.plot(grid * 100, np.sqrt(1 - np.minimum(grid, 1.0)), "k--", label="sqrt(1 - K/n)")
@@ -252,15 +279,22 @@ def plot_convergence(results, path, key="loss", bytes_axis=False):
     tasks = sorted({r["task"] for r in results})
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 3.8), squeeze=False)
     colors = {0.001: "C0", 0.01: "C1", 0.1: "C2", 1.0: "k"}
+    rank_colors = dict(zip(POWERSGD_RANKS, ("C4", "C5", "C6"), strict=True))
     for ax, task in zip(axes[0], tasks, strict=True):
         for r in results:
             if r["task"] != task or (r["k"] not in CONVERGENCE_K and "group" not in r):
                 continue
             if r["epochs"] != max(x["epochs"] for x in results):
                 continue
-            dgc = "group" in r
-            color = "C3" if dgc and r["k"] < 1 else ("C7" if dgc else colors[r["k"]])
-            style = "-" if r["ef"] or r["k"] >= 1.0 else ":"
+            low_rank = r.get("group") == "powersgd"
+            if low_rank and not bytes_axis:  # PowerSGD only in accuracy against bytes
+                continue
+            dgc = "group" in r and not low_rank
+            if low_rank:
+                color, style = rank_colors[r["rank"]], "--"
+            else:
+                color = "C3" if dgc and r["k"] < 1 else ("C7" if dgc else colors[r["k"]])
+                style = "-" if r["ef"] or r["k"] >= 1.0 else ":"
             if dgc:
                 style = "-."
             xs = np.array(r["cumulative_bytes"]) if bytes_axis else np.arange(1, r["epochs"] + 1)
@@ -325,7 +359,8 @@ def main(argv=None) -> list[dict]:
     text = table(results)
     header = (
         f"{args.replicas} replica(s), global batch {args.batch_size}, SGD lr {args.lr}, "
-        f"{args.epochs} epochs (extra-K runs: {args.gap_epochs}), TopK over the whole gradient; "
+        f"{args.epochs} epochs (extra-K runs: {args.gap_epochs}), TopK over the whole gradient, "
+        "PowerSGD per layer; "
         f"gaps: mean over the second half of training, measured every {args.every} steps"
     )
     with open(os.path.join(args.out, "table.md"), "w") as f:
