@@ -25,7 +25,9 @@ _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _BYTES = {"b": 1, "kb": 1024, "mb": 1024**2, "gb": 1024**3}
 SWEEP_BANDWIDTHS = "1gbit,10gbit,100gbit"
 SWEEP_WORKERS = range(2, 1025)
-MODELS = {"mlp10m": w.MLP10M}
+#: ``keras.applications`` models by ``--model`` name (ImageNet's 1000 classes, no weights)
+KERAS_MODELS = {"resnet50": "ResNet50", "mobilenetv2": "MobileNetV2"}
+MODELS = ("mlp10m", *KERAS_MODELS)
 
 
 def parse_bandwidth(text: str) -> float:
@@ -113,9 +115,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--compute-ms", type=float, required=True, help="compute per step (ms)")
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=parse_count, help="parameters (e.g. 25M)")
+    size.add_argument(
+        "--params", type=parse_count, help="parameters (e.g. 25M): one near-square matrix"
+    )
     size.add_argument("--layers", help="JSON list of tensor shapes or sizes")
-    size.add_argument("--model", choices=sorted(MODELS), help="a known model's shapes")
+    size.add_argument("--model", choices=MODELS, help="a known model's shapes")
     p.add_argument("--workers", type=int, help="P workers, one per node (or --nodes)")
     p.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node)")
     p.add_argument("--gpus-per-node", type=int, default=1)
@@ -147,10 +151,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def keras_layers(name: str) -> w.Layers:
+    """The trainable tensor shapes of a ``keras.applications`` model (built without weights:
+    nothing is downloaded)."""
+    import keras
+
+    model = getattr(keras.applications, KERAS_MODELS[name])(weights=None)
+    return w.Layers(tuple(tuple(v.shape) for v in model.trainable_variables))
+
+
 def layers_of(args: argparse.Namespace) -> w.Layers:
     if args.layers:
         return load_layers(args.layers)
-    return MODELS[args.model] if args.model else w.Layers.from_params(args.params)
+    if args.model:
+        return w.MLP10M if args.model == "mlp10m" else keras_layers(args.model)
+    return w.Layers.from_params(args.params)
 
 
 def cluster_of(args: argparse.Namespace, nodes: int | None = None) -> w.Cluster:
@@ -171,9 +186,10 @@ def cluster_of(args: argparse.Namespace, nodes: int | None = None) -> w.Cluster:
 
 
 def table(predictions: Sequence[w.Prediction]) -> str:
-    """A row per method: bytes sent per worker, comm, step ms, and speed-up over dense."""
+    """A row per method: bytes one worker (a node's link, for hier-*) sends across nodes per
+    step, comm and step ms, and the speed-up over dense."""
     dense = next((p.step for p in predictions if p.method == "dense"), None)
-    head = f"{'method':<16}{'bytes sent/worker':>19}{'comm ms':>11}{'step ms':>11}{'x dense':>9}"
+    head = f"{'method':<16}{'inter-node bytes':>19}{'comm ms':>11}{'step ms':>11}{'x dense':>9}"
     lines = [head, "-" * len(head)]
     for p in predictions:
         speedup = f"{dense / p.step:9.2f}" if dense and p.step else f"{'-':>9}"
@@ -222,15 +238,17 @@ def run_sweep(args: argparse.Namespace, methods: list[w.Method], layers: w.Layer
 
 
 def sweep_table(names: Sequence[str], bandwidths: Sequence[float], results: dict) -> str:
-    """Winner and its ms/step at powers of two, a column per bandwidth."""
+    """At powers of two, a column per bandwidth: the winner, its ms/step and dense's."""
     powers = [p for p in results[bandwidths[0]] if p & (p - 1) == 0]
-    lines = [f"{'P':>6}" + "".join(f"{n:>28}" for n in names)]
+    lines = [f"{'P':>6}" + "".join(f"{n + ': winner ms (dense ms)':>34}" for n in names)]
     for p in powers:
         cells = []
         for bandwidth in bandwidths:
-            best = w.winner(results[bandwidth][p])
-            cells.append(f"{best.method} {1e3 * best.step:.1f} ms")
-        lines.append(f"{p:>6}" + "".join(f"{c:>28}" for c in cells))
+            predictions = results[bandwidth][p]
+            best = w.winner(predictions)
+            dense = next((x.step for x in predictions if x.method == "dense"), math.nan)
+            cells.append(f"{best.method} {1e3 * best.step:.0f} ({1e3 * dense:.0f})")
+        lines.append(f"{p:>6}" + "".join(f"{c:>34}" for c in cells))
     return "\n".join(lines)
 
 
