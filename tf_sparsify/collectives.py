@@ -33,9 +33,20 @@ class Collective:
     def all_to_all(self, tensors: list[tf.Tensor], splits: list[tf.Tensor]) -> list[tf.Tensor]:
         """Each tensor's rows sent to the replicas, ``splits[i][r]`` rows to replica ``r``;
         each result is what every replica sent here, concatenated in replica order."""
-        raise NotImplementedError(
-            f"{type(self).__name__} has no all-to-all (the sparse all-reduce needs Horovod)"
-        )
+        raise _no_sparse_exchange(self, "all-to-all")
+
+    def all_gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each tensor's rows from every replica, concatenated in replica order (the replicas'
+        row counts may differ)."""
+        raise _no_sparse_exchange(self, "all-gather of varying sizes")
+
+
+def _no_sparse_exchange(collective: Collective, what: str) -> ValueError:
+    return ValueError(
+        f"{type(collective).__name__} has no {what}: the `compressor` needs one "
+        "(SparseAllReduce runs under Horovod, tf_sparsify.horovod, or on a single replica; "
+        "under tf.distribute use TopK)."
+    )
 
 
 class LocalCollective(Collective):
@@ -48,6 +59,9 @@ class LocalCollective(Collective):
         return [t[None] for t in tensors]
 
     def all_to_all(self, tensors, splits):
+        return list(tensors)
+
+    def all_gather_rows(self, tensors):
         return list(tensors)
 
 

@@ -45,6 +45,7 @@ from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.compressors.protocol import (
     ALL_TO_ALL,
     GATHER,
+    GATHER_ROWS,
     SUM,
     Outcome,
     Protocol,
@@ -392,7 +393,7 @@ class GradientPipeline:
         shared: list[tf.Tensor] = []
         while pending:
             received: dict[int, tuple[tf.Tensor, ...]] = {}
-            for kind in (SUM, GATHER, ALL_TO_ALL):
+            for kind in (SUM, GATHER, GATHER_ROWS, ALL_TO_ALL):
                 items = [(i, t) for i, t in pending.items() if t.kind == kind]
                 if items:
                     received.update(_transfer(collective, kind, items))
@@ -579,6 +580,8 @@ def _transfer(
         results = iter(collective.all_reduce_sum(tensors))
     elif kind == GATHER:
         results = iter(collective.all_gather(tensors))
+    elif kind == GATHER_ROWS:
+        results = iter(collective.all_gather_rows(tensors))
     else:
         splits = [transfer.splits for _, transfer in items for _ in transfer.tensors]
         results = iter(collective.all_to_all(tensors, splits))

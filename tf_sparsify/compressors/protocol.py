@@ -18,13 +18,15 @@ import tensorflow as tf
 
 #: the collective kinds a transfer can ask for
 SUM, GATHER, ALL_TO_ALL = "sum", "gather", "all_to_all"
+GATHER_ROWS = "gather_rows"
 
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """One collective of a round: ``SUM`` (element-wise sum over replicas), ``GATHER`` (each
-    tensor stacked over replicas) or ``ALL_TO_ALL`` (rows of each tensor sent to the replicas
-    by ``splits``, received concatenated in replica order)."""
+    tensor stacked over replicas), ``ALL_TO_ALL`` (rows of each tensor sent to the replicas
+    by ``splits``, received concatenated in replica order) or ``GATHER_ROWS`` (each tensor's
+    rows from every replica concatenated in replica order; the row counts may differ)."""
 
     kind: str
     tensors: tuple[tf.Tensor, ...]
