@@ -95,6 +95,14 @@ def test_sparse_all_reduce_and_hierarchical_hand_computed():
     assert w.comm_time(w.Hierarchical(topk), FLAT, nodes) == pytest.approx(expected)
     flat = w.comm_time(topk, FLAT, nodes)  # 32 workers in one all-gather: 31 payloads
     assert flat == pytest.approx(31 * 80_000 / GBIT)
+    # one node: flat methods stay on the intra-node link, hierarchical has nothing to cross
+    node = w.Cluster(1, w.Link(GBIT), gpus_per_node=8, intra=intra)
+    for method in METHODS:
+        assert {t.level for t in method.transfers(FLAT, node)} == {"intra"}
+    assert w.comm_time(w.DenseAllReduce(), FLAT, node) == pytest.approx(
+        w.link_time([w.all_reduce(4e6, 8, "ring")], intra)
+    )
+    assert w.Hierarchical(topk).transfers(FLAT, node) == hier[:1]
 
 
 def test_step_time_and_predict():

@@ -38,9 +38,10 @@ Methods (``n`` parameters, ``k`` entries sent, ``v`` value and ``i`` index bytes
   the inter-node link, each local rank carrying a shard, so a node's link carries one payload
   and the ``P`` of the compressed exchange is the number of nodes.
 
-Flat methods on ``nodes x gpus_per_node`` run over all ``P`` workers on the inter-node link: a
-ring placed node by node crosses each node's link with one flow per round; an all-to-all sends
-``g (P - g) / P * m`` bytes from a node's ``g`` ranks to other nodes. ``Link.shared`` models one
+Flat methods on ``nodes x gpus_per_node`` run over all ``P`` workers on the inter-node link (on
+the intra-node link when there is one node): a ring placed node by node crosses each node's link
+with one flow per round; an all-to-all sends ``g (P - g) / P * m`` bytes from a node's ``g``
+ranks to other nodes. ``Link.shared`` models one
 medium for all workers (a loopback under ``tc``): the bytes of all ``P`` workers queue behind one
 rate limit, less a token bucket's ``burst_bytes`` that refills while the step computes.
 ``Link.host_bandwidth`` caps what one worker can push (memory copies, kernel TCP); link and host
@@ -134,6 +135,12 @@ class Cluster:
     def workers(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def flat_level(self) -> str:
+        """Where a collective over all workers runs: inside the node when there is one node
+        of several GPUs, else across nodes."""
+        return "intra" if self.nodes == 1 and self.gpus_per_node > 1 else "inter"
+
     def link(self, level: str) -> Link:
         return self.inter if level == "inter" else self.intra
 
@@ -166,9 +173,10 @@ def all_gather(size: float, workers: int, schedule: Schedule, level: str = "inte
     return Transfer(level, workers, phase_rounds(workers, schedule), (workers - 1) * size)
 
 
-def all_to_all(size: float, workers: int, per_node: int = 1) -> Transfer:
+def all_to_all(size: float, workers: int, level: str = "inter", per_node: int = 1) -> Transfer:
     """Pairwise: ``P - 1`` rounds; a node's ``g`` ranks send ``g (P - g) / P * size`` off-node."""
-    return Transfer("inter", workers, workers - 1, per_node * (workers - per_node) / workers * size)
+    sent = per_node * (workers - per_node) / workers * size
+    return Transfer(level, workers, workers - 1, sent)
 
 
 # -- the model's tensors -----------------------------------------------------------------------
@@ -252,7 +260,8 @@ class DenseAllReduce:
         return layers.num_params * self.value_bytes
 
     def transfers(self, layers: Layers, cluster: Cluster) -> list[Transfer]:
-        return [all_reduce(self.payload_bytes(layers), cluster.workers, cluster.schedule)]
+        p, level = cluster.workers, cluster.flat_level
+        return [all_reduce(self.payload_bytes(layers), p, cluster.schedule, level)]
 
 
 @dataclass(frozen=True)
@@ -277,7 +286,8 @@ class TopKAllGather:
         )
 
     def transfers(self, layers: Layers, cluster: Cluster) -> list[Transfer]:
-        return [all_gather(self.payload_bytes(layers), cluster.workers, cluster.schedule)]
+        p, level = cluster.workers, cluster.flat_level
+        return [all_gather(self.payload_bytes(layers), p, cluster.schedule, level)]
 
 
 def _check_topk(method: TopKAllGather | SparseAllReduce) -> None:
@@ -297,10 +307,11 @@ class SparseAllReduce(TopKAllGather):
     name: str = "topk-sar"
 
     def transfers(self, layers: Layers, cluster: Cluster) -> list[Transfer]:
-        p, payload = cluster.workers, self.payload_bytes(layers)
+        p, level, payload = cluster.workers, cluster.flat_level, self.payload_bytes(layers)
+        per_node = cluster.gpus_per_node if level == "inter" else 1
         return [
-            all_to_all(payload, p, cluster.gpus_per_node),
-            all_gather(payload / p, p, cluster.schedule),
+            all_to_all(payload, p, level, per_node),
+            all_gather(payload / p, p, cluster.schedule, level),
         ]
 
 
@@ -326,7 +337,8 @@ class QSGDAllGather:
         return sum(d * level_bytes + 4 * math.ceil(d / min(bucket or d, d)) for d in layers.sizes)
 
     def transfers(self, layers: Layers, cluster: Cluster) -> list[Transfer]:
-        return [all_gather(self.payload_bytes(layers), cluster.workers, cluster.schedule)]
+        p, level = cluster.workers, cluster.flat_level
+        return [all_gather(self.payload_bytes(layers), p, cluster.schedule, level)]
 
 
 @dataclass(frozen=True)
@@ -356,7 +368,8 @@ class PowerSGDAllReduce:
 
     def transfers(self, layers: Layers, cluster: Cluster) -> list[Transfer]:
         p, q = self.factor_entries(layers)
-        return [all_reduce(4 * n, cluster.workers, cluster.schedule) for n in (p, q) if n]
+        level = cluster.flat_level
+        return [all_reduce(4 * n, cluster.workers, cluster.schedule, level) for n in (p, q) if n]
 
 
 @dataclass(frozen=True)
