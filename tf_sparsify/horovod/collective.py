@@ -32,7 +32,8 @@ _GATHERABLE = (*_REDUCIBLE, tf.uint16, tf.int16, tf.bool)
 
 
 class HorovodCollective(Collective):
-    """One rank's view of a Horovod job: ``num_replicas == divisor == hvd.size()``.
+    """One rank's view of a Horovod job (or of a process set in it): ``num_replicas`` is the
+    set's size, ``divisor`` too unless given.
 
     Horovod users write per-rank mean losses, so the pipeline divides the sum of the ranks'
     decompressed payloads by the size.
@@ -43,18 +44,29 @@ class HorovodCollective(Collective):
         counter: an int64 variable that each transfer increases by the bytes this rank hands
             to Horovod (static shapes times itemsizes, after any bit-pattern views), so tests
             and users can compare it with the pipeline's ``wire_bytes``.
+        process_set: the ranks the transfers run among (``None``: all); ``replica_id`` is the
+            rank's index in it.
+        divisor: what the sum of the contributions is divided by (``None``: ``num_replicas``;
+            the hierarchical exchange sums node sums over the nodes and divides by all ranks).
     """
 
-    def __init__(self, after: tf.Tensor | None = None, counter: tf.Variable | None = None):
+    def __init__(
+        self,
+        after: tf.Tensor | None = None,
+        counter: tf.Variable | None = None,
+        process_set: hvd.ProcessSet | None = None,
+        divisor: float | None = None,
+    ):
         if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
             raise ValueError(
                 "Horovod's collectives do not run under XLA: compile the Keras model with "
                 "`jit_compile=False` (its default 'auto' turns XLA on where a GPU is visible) "
                 "and do not use tf.function(jit_compile=True) around the exchange."
             )
-        self.num_replicas = hvd.size()
-        self.divisor = float(self.num_replicas)
-        self._rank = hvd.rank()
+        self._set = hvd.global_process_set if process_set is None else process_set
+        self.num_replicas = self._set.size()
+        self.divisor = float(self.num_replicas if divisor is None else divisor)
+        self._rank = self._set.rank()
         self._after = after
         self._counter = counter
 
@@ -82,16 +94,36 @@ class HorovodCollective(Collective):
                 out[i] = g
         return out
 
+    def reduce_scatter_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each tensor summed over the ranks, then split along its first axis (of a length
+        divisible by ``num_replicas``): replica ``i`` gets the ``i``-th part. Dtypes Horovod
+        cannot reduce (bfloat16) are summed in float32 and rounded back."""
+        tensors = self._gated(tensors)
+        wide = [t if t.dtype in _REDUCIBLE else tf.cast(t, tf.float32) for t in tensors]
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        for idx, parts in _by_dtype(wide, range(len(wide)), self._reduce_scatter):
+            for i, part in zip(idx, parts, strict=True):
+                out[i] = tf.cast(part, tensors[i].dtype)
+        return out
+
     # -- transfers (one dtype per call) ------------------------------------------------------
     def _reduce(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         self._count(tensors)
-        return list(hvd.grouped_allreduce(tensors, op=hvd.Sum))
+        return list(hvd.grouped_allreduce(tensors, op=hvd.Sum, process_set=self._set))
+
+    def _reduce_scatter(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        self._count(tensors)
+        parts = hvd.grouped_reducescatter(tensors, op=hvd.Sum, process_set=self._set)
+        return [
+            tf.ensure_shape(p, [t.shape[0] // self.num_replicas, *t.shape[1:]])
+            for p, t in zip(parts, tensors, strict=True)
+        ]
 
     def _gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """Each tensor stacked over ranks: ``[P, *shape]`` (bfloat16 as its int16 bits)."""
         rows = [_wire(t)[None] for t in tensors]
         self._count(rows)
-        gathered = hvd.grouped_allgather(rows)
+        gathered = hvd.grouped_allgather(rows, process_set=self._set)
         return [
             _unwire(tf.ensure_shape(g, [self.num_replicas, *t.shape]), t.dtype)
             for g, t in zip(gathered, tensors, strict=True)
