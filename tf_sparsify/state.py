@@ -144,11 +144,18 @@ class ExchangeState:
         return bytes_per_step(self.units)
 
     # -- one step -----------------------------------------------------------------------------
-    def run(self, grads: Sequence, collective: Collective, per_replica: bool = False) -> StepResult:
+    def run(
+        self,
+        grads: Sequence,
+        collective: Collective,
+        per_replica: bool = False,
+        finish: Callable[[StepResult], StepResult] | None = None,
+    ) -> StepResult:
         """One step: exchange ``grads`` (build order), then update the state.
 
         ``per_replica``: every replica's (or simulated worker's) contribution is returned
-        along a leading axis (for delayed updates and IAG).
+        along a leading axis (for delayed updates and IAG). ``finish``: what a front end does
+        with the step's result before the state is written (its updates and ``finite`` count).
         """
         grads = list(grads)
         record = None
@@ -168,6 +175,8 @@ class ExchangeState:
             )
         else:
             result = self._run_workers(grads, record)
+        if finish is not None:
+            result = finish(result)
         self._write_back(result, record)
         return result
 
