@@ -3,6 +3,8 @@
 - :class:`DistributedOptimizer`: the Keras 3 wrapper for ``model.compile`` / ``model.fit``.
 - :class:`GradientExchange` and :class:`DistributedGradientTape`: custom training loops.
 - :class:`HorovodCollective`: the transport itself (grouped all-gather / all-reduce).
+- :func:`init`: ``hvd.init`` plus the process sets of the hierarchical exchange
+  (``ranks_per_node=``, see :mod:`tf_sparsify.horovod.hierarchy`).
 - ``FP16Compression``, ``BF16Compression``, ``RandomKCompression``, ``TopKCompression``:
   objects for Horovod's own ``compression=`` argument.
 - :func:`broadcast_variables`, :class:`BroadcastGlobalVariablesCallback`,
@@ -21,6 +23,7 @@ from tf_sparsify.horovod.compression import (
     RandomKCompression,
     TopKCompression,
 )
+from tf_sparsify.horovod.hierarchy import Topology, init
 from tf_sparsify.horovod.optimizer import DistributedOptimizer
 from tf_sparsify.horovod.rank0 import is_rank0, log0, verbose0
 from tf_sparsify.horovod.tape import DistributedGradientTape, GradientExchange
@@ -36,7 +39,9 @@ __all__ = [
     "MetricAverageCallback",
     "RandomKCompression",
     "TopKCompression",
+    "Topology",
     "broadcast_variables",
+    "init",
     "is_rank0",
     "log0",
     "verbose0",

@@ -19,11 +19,20 @@ from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.pipeline import GradientPipeline, Unit
 
 #: What the fingerprint covers, in the order mismatches are reported.
-FIELDS = ("compressor", "pipeline options", "variable shapes and dtypes", "messages")
+FIELDS = (
+    "ranks_per_node",
+    "compressor",
+    "pipeline options",
+    "variable shapes and dtypes",
+    "messages",
+)
 
 
-def plan_fields(pipeline: GradientPipeline, units: Sequence[Unit]) -> list[tuple[str, str]]:
-    """``(field, description)`` pairs of a plan, aligned with :data:`FIELDS`."""
+def plan_fields(
+    pipeline: GradientPipeline, units: Sequence[Unit], ranks_per_node: int | None = None
+) -> list[tuple[str, str]]:
+    """``(field, description)`` pairs of a plan, aligned with :data:`FIELDS`
+    (``ranks_per_node``: the hierarchical exchange's, ``None`` for the flat one)."""
     options = {k: v for k, v in pipeline.get_config().items() if k != "compressor"}
     variables = sorted(
         (i, s.as_list(), u.dtype.name)
@@ -37,6 +46,7 @@ def plan_fields(pipeline: GradientPipeline, units: Sequence[Unit]) -> list[tuple
         zip(
             FIELDS,
             (
+                repr(ranks_per_node),
                 repr(pipeline.compressor),
                 repr(dict(sorted(options.items()))),
                 ", ".join(f"{dtype}{shape}" for _, shape, dtype in variables),
@@ -71,7 +81,8 @@ def check_once(done: tf.Variable, fields: Sequence[tuple[str, str]]) -> tf.Tenso
                         f"differ in their {field}: rank {rank} of {size} has "
                         f"{_short(description)}. "
                         "Every rank must build the same model and the same optimizer/exchange "
-                        "(compressor, k or ratio, error feedback, scope, sizes, dtypes). "
+                        "(ranks_per_node, compressor, k or ratio, error feedback, scope, sizes, "
+                        "dtypes). "
                         "Fingerprints of all ranks (x) and of this rank (y):"
                     ),
                 )

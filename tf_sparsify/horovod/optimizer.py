@@ -7,10 +7,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.horovod.check import check_once, plan_fields
-from tf_sparsify.horovod.collective import HorovodCollective
+from tf_sparsify.horovod.hierarchy import HierarchicalState, horovod_collective
 from tf_sparsify.keras import compat
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 
@@ -35,17 +36,32 @@ class DistributedOptimizer(SparsifiedOptimizer):
     LossScaleOptimizer(SGD()), ...)``) and compile with ``auto_scale_loss=False``: an outer
     one decides on each rank's own gradients whether to step, and ranks that decide
     differently would wait on each other's collectives forever.
+
+    ``ranks_per_node``: the hierarchical exchange (see :mod:`tf_sparsify.horovod.hierarchy`):
+    dense sums inside each node, each rank compresses its shard of the node's sum and
+    exchanges it with the same shard of every other node. Needs
+    ``tf_sparsify.horovod.init(ranks_per_node=...)`` at start-up; ``None`` is the flat
+    exchange.
     """
 
     def __init__(
         self,
         optimizer: keras.optimizers.Optimizer,
         compressor: Compressor | None = None,
+        ranks_per_node: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(optimizer, Identity() if compressor is None else compressor, **kwargs)
+        self.ranks_per_node = ranks_per_node
+        if ranks_per_node is not None:
+            every = self.diagnostics_every
+            self._state = HierarchicalState(
+                self.pipeline, self._make_variable, ranks_per_node, step=self._state.step
+            )
+            self._state.enable_diagnostics(every)
         self._plan_checked = None
         self._horovod_bytes = None
+        self._within_bytes = None
 
     @compat.no_automatic_dependency_tracking
     def build(self, var_list):
@@ -54,17 +70,37 @@ class DistributedOptimizer(SparsifiedOptimizer):
         with tf.init_scope():
             self._plan_checked = tf.Variable(False, trainable=False, name="plan_checked")
             self._horovod_bytes = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self._within_bytes = tf.Variable(0, dtype=tf.int64, trainable=False)
 
     @property
     def bytes_to_horovod(self) -> tf.Variable:
-        """Payload bytes this process has handed to Horovod's collectives (not checkpointed)."""
+        """Payload bytes this process has handed to Horovod's collectives (not checkpointed);
+        with ``ranks_per_node``, the bytes that crossed nodes."""
         return self._horovod_bytes
 
-    def collective(self) -> HorovodCollective:
-        gate = check_once(self._plan_checked, plan_fields(self.pipeline, self.units))
-        return HorovodCollective(after=gate, counter=self._horovod_bytes)
+    @property
+    def bytes_across_nodes(self) -> tf.Variable | None:
+        """With ``ranks_per_node``: the payload bytes this process sent across nodes."""
+        return None if self.ranks_per_node is None else self._horovod_bytes
+
+    @property
+    def bytes_within_nodes(self) -> tf.Variable | None:
+        """With ``ranks_per_node``: the dense bytes this process handed to the reduce-scatter
+        and all-gather inside its node."""
+        return None if self.ranks_per_node is None else self._within_bytes
+
+    def collective(self) -> Collective:
+        fields = plan_fields(self.pipeline, self.units, self.ranks_per_node)
+        gate = check_once(self._plan_checked, fields)
+        return horovod_collective(self._state, gate, self._horovod_bytes, self._within_bytes)
 
     def set_compressor(self, compressor: Compressor) -> None:
         super().set_compressor(compressor)
         if self._plan_checked is not None:
             self._plan_checked.assign(False)
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        if self.ranks_per_node is not None:
+            config["ranks_per_node"] = self.ranks_per_node
+        return config

@@ -25,7 +25,7 @@ import tensorflow as tf
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.horovod.check import check_once, plan_fields
-from tf_sparsify.horovod.collective import HorovodCollective
+from tf_sparsify.horovod.hierarchy import HierarchicalState, horovod_collective
 from tf_sparsify.pipeline import GradientPipeline
 from tf_sparsify.state import ExchangeState, StateViews
 
@@ -47,7 +47,9 @@ class GradientExchange(StateViews, tf.Module):
 
     Args: as :class:`~tf_sparsify.pipeline.GradientPipeline` (``compressor=None`` is
     ``Identity()``), plus ``diagnostics_every`` (record the norm gap, residual norm and density
-    every that many steps in :attr:`diagnostics`; 0 is off).
+    every that many steps in :attr:`diagnostics`; 0 is off) and ``ranks_per_node`` (the
+    hierarchical exchange, as in :class:`~tf_sparsify.horovod.DistributedOptimizer`; its
+    byte counters are ``bytes_across_nodes`` and ``bytes_within_nodes``).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class GradientExchange(StateViews, tf.Module):
         momentum_correction: float = 0.0,
         bucket_bytes: int | None = None,
         diagnostics_every: int = 0,
+        ranks_per_node: int | None = None,
         name: str | None = None,
     ):
         super().__init__(name=name)
@@ -76,7 +79,12 @@ class GradientExchange(StateViews, tf.Module):
         )
         #: the state's variables in the order they were made (what checkpoints hold)
         self._state_variables: list[tf.Variable] = []
-        self._state = ExchangeState(pipeline, self._make_variable)
+        self.ranks_per_node = ranks_per_node
+        self._state = (
+            ExchangeState(pipeline, self._make_variable)
+            if ranks_per_node is None
+            else HierarchicalState(pipeline, self._make_variable, ranks_per_node)
+        )
         self._state.step = self._make_variable("step", (), tf.int64, "shared")
         self._state.enable_diagnostics(diagnostics_every)
         # The plan and per-process state, kept out of checkpoints (a plain object is not
@@ -102,6 +110,14 @@ class GradientExchange(StateViews, tf.Module):
     def bytes_to_horovod(self) -> tf.Variable:
         return self._local.horovod_bytes
 
+    @property
+    def bytes_across_nodes(self) -> tf.Variable | None:
+        return None if self.ranks_per_node is None else self._local.horovod_bytes
+
+    @property
+    def bytes_within_nodes(self) -> tf.Variable | None:
+        return None if self.ranks_per_node is None else self._local.within_bytes
+
     def needs_state(self) -> bool:
         """Whether this exchange must outlive one tape: it keeps residuals or momenta, or
         draws randomness."""
@@ -119,8 +135,10 @@ class GradientExchange(StateViews, tf.Module):
         """
         grads, variables = list(grads), list(variables)
         self._build(variables)
-        gate = check_once(self._local.checked, plan_fields(self.pipeline, self._state.units))
-        collective = HorovodCollective(after=gate, counter=self._local.horovod_bytes)
+        fields = plan_fields(self.pipeline, self._state.units, self.ranks_per_node)
+        gate = check_once(self._local.checked, fields)
+        local = self._local
+        collective = horovod_collective(self._state, gate, local.horovod_bytes, local.within_bytes)
         return self._state.run(grads, collective).updates
 
     def _build(self, variables: list) -> None:
@@ -196,9 +214,10 @@ class DistributedGradientTape:
 
 
 class _Untracked:
-    """The variables' signature, and the per-process check flag and Horovod byte counter."""
+    """The variables' signature, and the per-process check flag and Horovod byte counters."""
 
     def __init__(self):
         self.signature: list | None = None
         self.checked = tf.Variable(False, trainable=False, name="plan_checked")
         self.horovod_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="horovod_bytes")
+        self.within_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="within_bytes")
