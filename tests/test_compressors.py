@@ -65,8 +65,9 @@ def test_roundtrip_shape_dtype_and_exact_wire_bytes(compressor, dtype):
 def test_topk_matches_numpy_with_ties():
     x = np.array([[3.0, -3.0, 1.0], [3.0, -0.5, -3.0], [0.0, 2.0, -2.0]], np.float32)
     for k in range(1, 10):
-        values, indices = tfs.TopK(k=k).compress(tf.constant(x))[0]
-        np.testing.assert_array_equal(indices.numpy(), numpy_topk(x, k))
+        comp = tfs.TopK(k=k)
+        (values, code), ctx = comp.compress(tf.constant(x))
+        np.testing.assert_array_equal(comp.indices(code, ctx).numpy(), numpy_topk(x, k))
         np.testing.assert_array_equal(values.numpy(), x.flat[numpy_topk(x, k)])
 
 
@@ -76,7 +77,7 @@ def test_topk_random_matches_numpy_and_decompress_keeps_only_selected():
     comp = tfs.TopK(ratio=0.05)
     payload, ctx = comp.compress(tf.constant(x))
     idx = numpy_topk(x, 50)
-    np.testing.assert_array_equal(payload[1].numpy(), idx)
+    np.testing.assert_array_equal(comp.indices(payload[1], ctx).numpy(), idx)
     dense = np.zeros_like(x)
     dense[idx] = x[idx]
     np.testing.assert_array_equal(comp.decompress(payload, ctx).numpy(), dense)
@@ -219,8 +220,8 @@ def test_largest_int64_seed_draws():
 @pytest.mark.parametrize(
     "make, config",
     [
-        (lambda: tfs.TopK(ratio=np.float32(0.5)), {"ratio": 0.5, "k": None}),
-        (lambda: tfs.TopK(k=np.int64(3)), {"ratio": None, "k": 3}),
+        (lambda: tfs.TopK(ratio=np.float32(0.5)), {"ratio": 0.5, "k": None, "value_dtype": None}),
+        (lambda: tfs.TopK(k=np.int64(3)), {"ratio": None, "k": 3, "value_dtype": None}),
         (lambda: tfs.RandomK(np.float64(0.25), seed=np.uint32(7)), {"ratio": 0.25, "seed": 7}),
         (
             lambda: tfs.QSGD(np.int16(4), bucket_size=np.int64(8), seed=np.int64(2)),

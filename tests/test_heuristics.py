@@ -274,8 +274,8 @@ def test_skip_1d_plans_small_rank_tensors_dense():
 def test_skip_1d_in_keras_counts_dense_bias_bytes():
     opt = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=2), skip_1d=True)
     _train(opt, steps=1)
-    # kernel 5x2: k=2 values + 2 int32 indices; bias (2,) dense float32
-    assert opt.wire_bytes_per_step == 2 * 8 + 2 * 4
+    # kernel 5x2: k=2 float32 values + a 1-byte index code; bias (2,) dense float32
+    assert opt.wire_bytes_per_step == 2 * 4 + 1 + 2 * 4
     assert [r is None for r in opt.residuals] == [False, True]
 
 

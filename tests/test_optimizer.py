@@ -354,7 +354,8 @@ def test_compression_stats_in_history():
         X, np.zeros((64, 3)), epochs=2, batch_size=16, verbose=0, callbacks=[tfs.CompressionStats()]
     )
     dense = 4 * (8 * 16 + 16 + 16 * 3 + 3)
-    wire = 3 * 8 * 4 + 8 * 3  # three tensors send k=4 (value, index); the 3-bias is clamped
+    # k=4 float32 values from three tensors, 3 from the clamped 3-bias, and their index codes
+    wire = 4 * (3 * 4 + 3) + (4 + 2 + 3 + 1)
     assert h.history["bytes_per_step"] == [wire, wire]
     assert h.history["dense_bytes_per_step"] == [dense, dense]
     assert h.history["compression_ratio"][-1] == pytest.approx(dense / wire)

@@ -64,9 +64,7 @@ class _Cast(Compressor):
     def _compress(self, tensor, ctx, replica_id) -> Payload:
         if tensor.dtype.size <= self.wire_dtype.size:
             return (tensor,)
-        biggest = self.wire_dtype.max
-        saturated = tf.clip_by_value(tensor, -biggest, biggest)  # NaN stays NaN
-        return (tf.cast(tf.where(tf.math.is_inf(tensor), tensor, saturated), self.wire_dtype),)
+        return (saturating_cast(tensor, self.wire_dtype),)
 
     def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
         return tf.cast(payload[0], ctx.dtype)
@@ -84,3 +82,11 @@ class BF16(_Cast):
 
     wire_dtype = tf.bfloat16
     unit_roundoff = 2.0**-8
+
+
+def saturating_cast(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """``tensor`` rounded to ``dtype``; finite values beyond its range become its largest finite
+    value (not Inf), Inf and NaN stay as they are."""
+    biggest = dtype.max
+    saturated = tf.clip_by_value(tensor, -biggest, biggest)  # NaN stays NaN
+    return tf.cast(tf.where(tf.math.is_inf(tensor), tensor, saturated), dtype)

@@ -13,33 +13,49 @@ from tf_sparsify.compressors.base import (
     Payload,
     check_positive_int,
     check_ratio,
-    dtype_bytes,
     k_for,
     ones_at,
 )
+from tf_sparsify.compressors.bits import decode_indices, encode_indices, index_code_bytes
+from tf_sparsify.compressors.dense import saturating_cast
 from tf_sparsify.ops.reference import index_dtype
+
+VALUE_DTYPES = ("float16", "bfloat16")
 
 
 class TopK(Compressor):
     """Exact top-k by magnitude, ties to the lowest index.
 
     Give exactly one of ``ratio`` (k = max(1, ceil(ratio * d))) or ``k``; a ``k`` larger than
-    a tensor is clamped to its size. Payload: ``(values, indices)``, indices ascending,
-    int32 (int64 for tensors of 2**31 entries or more). Backed by the fused
-    ``TopKErrorFeedback`` op when compiled.
+    a tensor is clamped to its size. Payload: ``(values, code)``: the k values in ascending
+    index order, and the indices as a uint8 Elias-Fano code
+    (:func:`~tf_sparsify.compressors.bits.encode_indices`, about ``2 + log2(d / k)`` bits
+    each; its size depends on d and k only). Backed by the fused ``TopKErrorFeedback`` op.
+
+    ``value_dtype``: ``None`` sends values in the tensor's dtype; ``"float16"`` or
+    ``"bfloat16"`` rounds them to it (finite values beyond its range saturate to its largest
+    finite value, Inf and NaN pass). Tensors no wider than it travel as they are. With error
+    feedback the rounding error and any saturated excess stay in the residual, so nothing is
+    lost.
     """
 
     unbiased = False
     summable = False
     reveals_non_finite = True  # NaN and Inf rank above every finite value: they are sent
 
-    def __init__(self, ratio: float | None = None, k: int | None = None):
+    def __init__(
+        self,
+        ratio: float | None = None,
+        k: int | None = None,
+        value_dtype: str | tf.DType | None = None,
+    ):
         if (ratio is None) == (k is None):
             raise ValueError(
                 f"TopK needs exactly one of `ratio` or `k`; received ratio={ratio!r}, k={k!r}"
             )
         self.ratio = None if ratio is None else check_ratio(ratio)
         self.k = None if k is None else check_positive_int("k", k)
+        self.value_dtype = _check_value_dtype(value_dtype)
 
     def num_selected(self, num_elements: int) -> int:
         return k_for(num_elements, self.ratio, self.k)
@@ -49,7 +65,7 @@ class TopK(Compressor):
 
     def sent_mask(self, payload: Payload, ctx: Context) -> tf.Tensor:
         """1 at the selected indices (also where the selected value is 0)."""
-        return ones_at(payload[1], ctx)
+        return ones_at(self.indices(payload[1], ctx), ctx)
 
     def contraction(self, num_elements: int) -> float:
         """``k / d``: the k largest entries hold at least that share of ``||x||^2``."""
@@ -57,33 +73,78 @@ class TopK(Compressor):
 
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         k = self.num_selected(num_elements)
-        return k * (dtype_bytes(dtype) + index_dtype(num_elements).size)
+        return k * self.wire_dtype(dtype).size + index_code_bytes(num_elements, k)
+
+    def wire_dtype(self, dtype: tf.DType) -> tf.DType:
+        """The dtype the values of a ``dtype`` tensor travel in."""
+        dtype = tf.as_dtype(dtype)
+        if self.value_dtype is None or dtype.size <= tf.as_dtype(self.value_dtype).size:
+            return dtype
+        return tf.as_dtype(self.value_dtype)
 
     def compress_with_feedback(self, tensor, residual, step=None, tensor_id=0, replica_id=0):
+        """The fused op, then the values' rounding error put back at their indices (O(k))."""
         tensor, ctx = self._context(tensor, step, tensor_id)
         values, indices, new_residual = ops.topk_error_feedback(
             tensor, residual, self.num_selected(ctx.num_elements)
         )
-        return (values, indices), ctx, new_residual
+        sent = self._round(values)
+        if sent.dtype != values.dtype:
+            new_residual = _keep_error(new_residual, indices, values, sent)
+        return (sent, encode_indices(indices, ctx.num_elements)), ctx, new_residual
 
     def _compress(self, tensor, ctx, replica_id) -> Payload:
         values, indices, _ = ops.topk_error_feedback(
             tensor, tf.zeros_like(tensor), self.num_selected(ctx.num_elements)
         )
-        return values, indices
+        return self._round(values), encode_indices(indices, ctx.num_elements)
+
+    def _round(self, values: tf.Tensor) -> tf.Tensor:
+        """``values`` in their wire dtype (saturating)."""
+        wire = self.wire_dtype(values.dtype)
+        return values if wire == values.dtype else saturating_cast(values, wire)
+
+    def indices(self, code: tf.Tensor, ctx: Context) -> tf.Tensor:
+        """The flat indices of a code (``[..., bytes]`` gives ``[..., k]``)."""
+        n = ctx.num_elements
+        return decode_indices(code, n, self.num_selected(n), index_dtype(n))
 
     def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
-        values, indices = payload
-        return _scatter(values, indices, ctx)
+        values, code = payload
+        return _scatter(tf.cast(values, ctx.dtype), self.indices(code, ctx), ctx)
 
     def decompress_sum(self, gathered: Payload, ctx: Context, num_replicas: int) -> tf.Tensor:
-        values, indices = gathered
-        return _scatter(tf.reshape(values, [-1]), tf.reshape(indices, [-1]), ctx)
+        values, codes = gathered
+        indices = tf.reshape(self.indices(codes, ctx), [-1])
+        return _scatter(tf.cast(tf.reshape(values, [-1]), ctx.dtype), indices, ctx)
 
     def get_config(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "k": self.k}
+        return {"ratio": self.ratio, "k": self.k, "value_dtype": self.value_dtype}
 
 
 def _scatter(values: tf.Tensor, indices: tf.Tensor, ctx: Context) -> tf.Tensor:
     """Dense tensor of ``ctx``'s shape with ``values`` added at flat ``indices`` (one op)."""
     return tf.reshape(ops.scatter_sum(values, indices, ctx.num_elements), ctx.shape)
+
+
+def _check_value_dtype(value_dtype: str | tf.DType | None) -> str | None:
+    """``None``, ``"float16"`` or ``"bfloat16"`` (a ``tf.DType`` of these becomes its name)."""
+    if value_dtype is None:
+        return None
+    name = value_dtype.name if isinstance(value_dtype, tf.DType) else value_dtype
+    if name not in VALUE_DTYPES:
+        raise ValueError(
+            "`value_dtype` must be None (the tensor's dtype), 'float16' or 'bfloat16'; "
+            f"received value_dtype={value_dtype!r}"
+        )
+    return name
+
+
+def _keep_error(
+    residual: tf.Tensor, indices: tf.Tensor, values: tf.Tensor, sent: tf.Tensor
+) -> tf.Tensor:
+    """``residual`` holding ``values - sent`` at ``indices`` (0 where a value is Inf or NaN)."""
+    error = values - tf.cast(sent, values.dtype)
+    error = tf.where(tf.math.is_finite(values), error, tf.zeros_like(error))
+    flat = tf.tensor_scatter_nd_update(tf.reshape(residual, [-1]), indices[:, None], error)
+    return tf.reshape(flat, residual.shape)
