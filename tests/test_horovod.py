@@ -175,6 +175,7 @@ MISMATCHES = {
     "k_eager": "compressor",
     "exchange_k": "compressor",
     "exchange_min_size": "pipeline options",
+    "powersgd_rank": "compressor",
 }
 
 

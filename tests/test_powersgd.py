@@ -316,6 +316,8 @@ def test_bad_options_are_named():
             per_replica=True,
             states=zero_states(units),
         )
+    with pytest.raises(ValueError, match="state"):  # a front end that keeps no Q
+        pipeline.step(units, [tf.ones((12, 5))], [tf.zeros((12, 5))], 0, LocalCollective())
     opt = ServerOptimizer(keras.optimizers.SGD(0.1), tfs.PowerSGD(1), server=DelayedGradients(1))
     v = keras.Variable(tf.zeros((12, 5)))
     with pytest.raises(ValueError, match="per_replica"):

@@ -88,6 +88,10 @@ def main() -> None:
         "compressor", lambda: expect_mismatch("compressor", lambda: fit(make_model(), other))
     )
     checks.run(
+        "powersgd_rank",
+        lambda: expect_mismatch("compressor", lambda: fit(make_model(), tfs.PowerSGD(1 + RANK))),
+    )
+    checks.run(
         "dtype",
         lambda: expect_mismatch(
             "variable shapes and dtypes",

@@ -119,13 +119,13 @@ class PowerSGD(Compressor):
         dims = self.matrix_shape(acc.shape)
         if dims is None:
             return _dense(acc, residual is not None, replicas)
-        (q,) = state
-        if tuple(q.shape) != (dims[1], self.rank):
+        want = (dims[1], self.rank)
+        if [tuple(t.shape) for t in state] != [want]:
             raise ValueError(
-                f"{self!r} keeps Q of shape {(dims[1], self.rank)} for a tensor of shape "
-                f"{acc.shape}; received a state of shape {q.shape}."
+                f"{self!r} keeps one Q of shape {want} for a tensor of shape {acc.shape} (see "
+                f"state_specs); received a state of shapes {[tuple(t.shape) for t in state]}."
             )
-        return self._low_rank(acc, residual is not None, q, ctx, replicas, dims)
+        return self._low_rank(acc, residual is not None, state[0], ctx, replicas, dims)
 
     def _low_rank(
         self,
