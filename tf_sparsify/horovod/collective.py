@@ -42,8 +42,8 @@ class HorovodCollective(Collective):
         after: a tensor every transfer waits for (the first-step configuration check), so no
             payload is handed to Horovod before it has passed.
         counter: an int64 variable that each transfer increases by the bytes this rank hands
-            to Horovod (static shapes times itemsizes, after any bit-pattern views), so tests
-            and users can compare it with the pipeline's ``wire_bytes``.
+            to Horovod (sizes when the transfer runs times itemsizes, after any bit-pattern
+            views), so tests and users can compare it with the pipeline's ``wire_bytes``.
         process_set: the ranks the transfers run among (``None``: all); ``replica_id`` is the
             rank's index in it.
         divisor: what the sum of the contributions is divided by (``None``: ``num_replicas``;
@@ -106,6 +106,32 @@ class HorovodCollective(Collective):
                 out[i] = tf.cast(part, tensors[i].dtype)
         return out
 
+    def all_to_all(self, tensors: list[tf.Tensor], splits: list[tf.Tensor]) -> list[tf.Tensor]:
+        """``hvd.alltoall``. Horovod has no grouped all-to-all, and tensors with different
+        splits cannot share one call without a further exchange of their row counts: tensors
+        that share one ``splits`` tensor (a unit's values and indices) travel together as
+        one tensor of byte rows, so each unit costs one call."""
+        tensors = self._gated(tensors)
+        groups: dict[object, list[int]] = {}
+        for i, s in enumerate(splits):
+            groups.setdefault(s.ref(), []).append(i)
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        for idx in groups.values():
+            received = self._alltoall([tensors[i] for i in idx], splits[idx[0]])
+            for i, r in zip(idx, received, strict=True):
+                out[i] = r
+        return out
+
+    def all_gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        """``hvd.grouped_allgather`` of tensors whose first dimension may differ by rank, one
+        group per dtype (bfloat16 as its int16 bits)."""
+        tensors = self._gated(tensors)
+        out: list[tf.Tensor | None] = [None] * len(tensors)
+        for idx, gathered in _by_dtype(tensors, range(len(tensors)), self._gather_rows):
+            for i, g in zip(idx, gathered, strict=True):
+                out[i] = g
+        return out
+
     # -- transfers (one dtype per call) ------------------------------------------------------
     def _reduce(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         self._count(tensors)
@@ -129,10 +155,25 @@ class HorovodCollective(Collective):
             for g, t in zip(gathered, tensors, strict=True)
         ]
 
+    def _gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        wired = [_wire(t) for t in tensors]
+        self._count(wired)
+        gathered = hvd.grouped_allgather(wired, process_set=self._set)
+        return [_unwire(g, t.dtype) for g, t in zip(gathered, tensors, strict=True)]
+
+    def _alltoall(self, tensors: list[tf.Tensor], splits: tf.Tensor) -> list[tf.Tensor]:
+        """One ``hvd.alltoall`` of the tensors' rows side by side as bytes."""
+        rows = [_as_bytes(t) for t in tensors]
+        packed = rows[0] if len(rows) == 1 else tf.concat(rows, axis=1)
+        self._count([packed])
+        received, _ = hvd.alltoall(packed, splits=tf.cast(splits, tf.int32), process_set=self._set)
+        parts = tf.split(received, [r.shape[1] for r in rows], axis=1)
+        return [_from_bytes(p, t) for p, t in zip(parts, tensors, strict=True)]
+
     def _count(self, tensors: list[tf.Tensor]) -> None:
         if self._counter is not None:
-            sent = sum(t.shape.num_elements() * t.dtype.size for t in tensors)
-            self._counter.assign_add(sent)
+            sizes = [tf.size(t, out_type=tf.int64) * t.dtype.size for t in tensors]
+            self._counter.assign_add(tf.add_n(sizes))
 
     def _gated(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         if self._after is None or not tensors:
@@ -166,6 +207,23 @@ def _wire(t: tf.Tensor) -> tf.Tensor:
 
 def _unwire(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.bitcast(t, dtype) if dtype == tf.bfloat16 else t
+
+
+def _as_bytes(t: tf.Tensor) -> tf.Tensor:
+    """``[rows, bytes per row]`` uint8: the bit patterns of each row of ``t``."""
+    if t.shape.rank is None or t.shape.rank < 1 or not t.shape[1:].is_fully_defined():
+        raise ValueError(f"all_to_all sends rows: a tensor of shape {t.shape} has none")
+    raw = tf.cast(t, tf.uint8) if t.dtype == tf.bool else tf.bitcast(t, tf.uint8)
+    return tf.reshape(raw, [-1, t.shape[1:].num_elements() * t.dtype.size])
+
+
+def _from_bytes(raw: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """Inverse of :func:`_as_bytes` for rows of tensors like ``like``."""
+    if like.dtype == tf.bool:
+        return tf.cast(tf.reshape(raw, [-1, *like.shape[1:]]), tf.bool)
+    if like.dtype.size == 1:
+        return tf.bitcast(tf.reshape(raw, [-1, *like.shape[1:]]), like.dtype)
+    return tf.bitcast(tf.reshape(raw, [-1, *like.shape[1:], like.dtype.size]), like.dtype)
 
 
 def _local_sum(gathered: tf.Tensor) -> tf.Tensor:
