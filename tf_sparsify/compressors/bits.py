@@ -40,7 +40,8 @@ def index_code_split(num_elements: int, k: int) -> tuple[int, int]:
     ``[0, num_elements)``: ``k * low_bits`` bits of low parts, then a ``high_bits``-bit map.
 
     ``low_bits`` minimizes the total ``k * L + ((n - 1) >> L) + k`` over
-    ``0 <= L <= min(ceil(log2 n), 32)`` (ties to the larger ``L``: fewer bits to scan).
+    ``0 <= L <= min(ceil(log2 n), 32)`` (ties to the larger ``L``: fewer bits to scan): at most
+    ``k * (2 + ceil(log2(n / k)))`` bits while ``n / k <= 2**32``.
     """
     if k == 0:
         return 0, 0
@@ -81,6 +82,8 @@ def encode_indices(indices: tf.Tensor, num_elements: int) -> tf.Tensor:
 def decode_indices(code: tf.Tensor, num_elements: int, k: int, dtype: tf.DType) -> tf.Tensor:
     """Inverse of :func:`encode_indices` on the last axis: ``code[..., bytes]`` gives the
     ``[..., k]`` indices in ``dtype`` (a gathered ``[replicas, bytes]`` code works as it is)."""
+    code = tf.convert_to_tensor(code)
+    _check_code(code, num_elements, k)
     low, high = index_code_split(num_elements, k)
     lows = _read_fields(code, tf.range(k, dtype=tf.int64) * low, low)
     bits = _read_fields(code, k * low + tf.range(high, dtype=tf.int64), 1)
@@ -90,6 +93,16 @@ def decode_indices(code: tf.Tensor, num_elements: int, k: int, dtype: tf.DType) 
     position = tf.searchsorted(ones_seen, wanted, side="left", out_type=tf.int64)
     indices = tf.bitwise.bitwise_or(tf.bitwise.left_shift(position - j, low), lows)
     return tf.cast(indices, dtype)
+
+
+def _check_code(code: tf.Tensor, num_elements: int, k: int) -> None:
+    """ValueError naming ``code`` unless it is uint8 with the code's size on its last axis."""
+    size = index_code_bytes(num_elements, k)
+    if code.dtype != tf.uint8 or code.shape.rank in (None, 0) or code.shape[-1] != size:
+        raise ValueError(
+            f"`code` must be uint8 with {size} bytes on its last axis (k={k} of "
+            f"{num_elements} indices); received dtype={code.dtype.name}, shape={code.shape}"
+        )
 
 
 def _field_bytes(values: tf.Tensor, offsets: tf.Tensor, width: int) -> tuple[tf.Tensor, tf.Tensor]:
