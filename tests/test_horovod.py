@@ -1,13 +1,16 @@
 """Horovod front end, under ``horovodrun -np 2 --gloo`` (launched from here).
 
-Four launches, each batching several checks (a launch costs ~15 s of start-up on 2 cores):
+Five launches, each batching several checks (a launch costs ~15 s of start-up on 2 cores):
 ``horovod_workers/exact.py`` (updates against a hand computation, bytes moved against
 ``wire_bytes``, Identity against plain Horovod averaging, Horovod ``compression=`` classes,
 broadcast and metric-averaging callbacks), ``horovod_workers/mismatch.py`` (ranks configured
-differently fail at the first step, fast), and the two examples (TopK + EF converges on
-digits, under ``model.fit`` and in a custom loop). The workers print one ``RESULT {json}``
-line per check and rank; these tests assert on them. Nothing is skipped: ``make test``
-builds Horovod first, and a missing Horovod fails with a message that says how to build it.
+differently fail at the first step, fast), ``horovod_workers/hierarchy.py`` (the hierarchical
+exchange on 4 ranks as 2 "nodes" of 2: updates, residuals and bytes against a hand
+computation, conservation, Identity, bad input, mismatches) and the two examples (TopK + EF
+converges on digits, under ``model.fit`` and in a custom loop). The workers print one
+``RESULT {json}`` line per check and rank; these tests assert on them. Nothing is skipped:
+``make test`` builds Horovod first, and a missing Horovod fails with a message that says how
+to build it.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ def _require_horovod() -> None:
         pytest.fail(f"{HOROVODRUN} is missing: build Horovod with `make horovod`.")
 
 
-def horovodrun(script: str, *args: str, timeout: int = TIMEOUT_S) -> tuple[int, str]:
-    """Run ``script`` on 2 ranks; ``(exit code, output)``. A run past ``timeout`` (a hang)
-    is killed with everything it started, and the test fails."""
+def horovodrun(
+    script: str, *args: str, timeout: int = TIMEOUT_S, ranks: int = 2
+) -> tuple[int, str]:
+    """Run ``script`` on ``ranks`` ranks; ``(exit code, output)``. A run past ``timeout`` (a
+    hang) is killed with everything it started, and the test fails."""
     _require_horovod()
-    command = [HOROVODRUN, "-np", "2", "--gloo", sys.executable, script, *args]
+    command = [HOROVODRUN, "-np", str(ranks), "--gloo", sys.executable, script, *args]
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen(
         command,
@@ -78,8 +83,8 @@ def results(out: str) -> dict[str, dict[int, dict]]:
     return found
 
 
-def _launch(script: str, *args: str) -> dict[str, dict[int, dict]]:
-    code, out = horovodrun(script, *args)
+def _launch(script: str, *args: str, ranks: int = 2) -> dict[str, dict[int, dict]]:
+    code, out = horovodrun(script, *args, ranks=ranks)
     found = results(out)
     assert found, f"no results from {script} (exit {code}):\n{out[-6000:]}"
     failed = {k: v for k, r in found.items() for v in r.values() if not v.get("ok", True)}
@@ -97,10 +102,15 @@ def mismatch() -> dict[str, dict[int, dict]]:
     return _launch(os.path.join(WORKERS, "mismatch.py"))
 
 
-def _passed(found: dict, check: str) -> dict[int, dict]:
+@pytest.fixture(scope="module")
+def hierarchy() -> dict[str, dict[int, dict]]:
+    return _launch(os.path.join(WORKERS, "hierarchy.py"), ranks=4)
+
+
+def _passed(found: dict, check: str, ranks: int = 2) -> dict[int, dict]:
     assert check in found, f"check {check!r} did not run; ran {sorted(found)}"
     per_rank = found[check]
-    assert sorted(per_rank) == [0, 1], f"{check}: results from ranks {sorted(per_rank)}"
+    assert sorted(per_rank) == list(range(ranks)), f"{check}: results from {sorted(per_rank)}"
     for rank, record in per_rank.items():
         assert record["ok"], f"{check} failed on rank {rank}: {record.get('error')}\n" + record.get(
             "traceback", ""
@@ -196,6 +206,44 @@ def test_matching_ranks_still_train_after_mismatches(mismatch):
 )
 def test_local_value_errors(mismatch, check):
     _passed(mismatch, check)
+
+
+# -- hierarchical exchange: one launch of 4 ranks as 2 "nodes" of 2 ----------------------------
+def test_hierarchical_update_residuals_and_bytes_match_hand_computation(hierarchy):
+    """TopK + EF, optimizer and exchange, 3 steps: updates and per-shard residuals as by hand;
+    bytes across nodes == bytes_sent == wire bytes, bytes within nodes == (L+1)*shard each."""
+    for record in _passed(hierarchy, "update_topk_ef", 4).values():
+        assert record["wire_bytes_per_step"] > 0 and record["within_bytes_per_step"] == 336
+
+
+def test_hierarchical_residuals_conserve_the_gradients(hierarchy):
+    for record in _passed(hierarchy, "conservation", 4).values():
+        assert record["max_abs_error"] <= 1e-12
+
+
+def test_hierarchical_identity_equals_plain_horovod_averaging(hierarchy):
+    """2 nodes of 2, 4 nodes of 1 and 1 node of 4, with their bytes across and within nodes."""
+    _passed(hierarchy, "identity_equals_horovod", 4)
+
+
+@pytest.mark.parametrize("check", ["bad_input", "init_mismatch", "init"])
+def test_hierarchical_setup_and_bad_input(hierarchy, check):
+    """ValueErrors naming ranks_per_node (not dividing 4, < 1, not an integer, unregistered,
+    ranks asking for different layouts, local_clipnorm, PowerSGD); the registered layout."""
+    _passed(hierarchy, check, 4)
+
+
+@pytest.mark.parametrize("check", ["mismatch_optimizer", "mismatch_exchange"])
+def test_hierarchical_mismatch_fails_at_first_step(hierarchy, check):
+    for rank, record in _passed(hierarchy, check, 4).items():
+        assert f"differ in their ranks_per_node: rank {rank} of 4" in record["message"]
+
+
+def test_hierarchical_bytes_on_the_test_model(hierarchy):
+    """After the mismatches a matching run keeps the ranks in step; TopK 10% sends fewer bytes
+    across nodes than the flat exchange."""
+    for record in _passed(hierarchy, "model_bytes", 4).values():
+        assert record["across_bytes_per_step"] < record["flat_bytes_per_step"]
 
 
 @pytest.mark.parametrize(
