@@ -235,6 +235,9 @@ class HierarchicalCollective(Collective):
     def all_to_all(self, tensors: list[tf.Tensor], splits: list[tf.Tensor]) -> list[tf.Tensor]:
         return self.lane.all_to_all(tensors, splits)
 
+    def all_gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        return self.lane.all_gather_rows(tensors)
+
 
 class HierarchicalState(ExchangeState):
     """The state core of the hierarchical exchange: it plans, compresses and keeps residuals,
