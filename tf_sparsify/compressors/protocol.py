@@ -62,5 +62,6 @@ Protocol = Generator[Transfer, tuple[tf.Tensor, ...], Outcome]
 
 
 def scaled(tensor: tf.Tensor, divisor: float) -> tf.Tensor:
-    """``tensor / divisor`` (unchanged for 1)."""
-    return tensor if divisor == 1 else tensor * tf.cast(1.0 / divisor, tensor.dtype)
+    """``tensor / divisor`` (unchanged for 1); ``1 / divisor`` is rounded once, to the tensor's
+    dtype (``tf.cast`` of a Python float would round it to float32 first)."""
+    return tensor if divisor == 1 else tensor * tf.constant(1.0 / divisor, tensor.dtype)
