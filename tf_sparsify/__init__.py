@@ -10,6 +10,7 @@ from tf_sparsify.compressors import (
     PowerSGD,
     RandomK,
     ScaledSign,
+    SparseAllReduce,
     TernGrad,
     TopK,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "PowerSGD",
     "RandomK",
     "ScaledSign",
+    "SparseAllReduce",
     "SparsifiedOptimizer",
     "TernGrad",
     "TopK",

@@ -5,6 +5,7 @@ from tf_sparsify.compressors.dense import BF16, FP16, Identity
 from tf_sparsify.compressors.powersgd import PowerSGD
 from tf_sparsify.compressors.qsgd import QSGD
 from tf_sparsify.compressors.randomk import RandomK
+from tf_sparsify.compressors.sparse_allreduce import SparseAllReduce
 from tf_sparsify.compressors.ternary import ScaledSign, TernGrad
 from tf_sparsify.compressors.topk import TopK
 
@@ -18,6 +19,7 @@ __all__ = [
     "PowerSGD",
     "RandomK",
     "ScaledSign",
+    "SparseAllReduce",
     "TernGrad",
     "TopK",
     "deserialize",
