@@ -31,8 +31,10 @@ class Step:
     dense: list[bool]
 
 
-def step(accs: list[np.ndarray], k: int, divisor: float, index_bytes: int = 4) -> Step:
-    """One exchange of the flat accumulators ``accs`` (``x + e``, one per replica)."""
+def step(accs: list[np.ndarray], k: int, divisor: float) -> Step:
+    """One exchange of the flat accumulators ``accs`` (``x + e``, one per replica); int32
+    indices."""
+    index_bytes = 4
     count, n = len(accs), accs[0].size
     dtype = accs[0].dtype
     entry = dtype.itemsize + index_bytes
