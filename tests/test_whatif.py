@@ -24,7 +24,7 @@ METHODS = [
     w.DenseAllReduce(4, "dense"),
     w.DenseAllReduce(2, "fp16"),
     w.TopKAllGather(0.01),
-    w.SparseAllReduce(0.01),
+    w.TopKSplitReduce(0.01),
     w.QSGDAllGather(4),
     w.PowerSGDAllReduce(4),
 ]
@@ -84,7 +84,7 @@ def test_powersgd_factors_hand_computed():
 
 def test_sparse_all_reduce_and_hierarchical_hand_computed():
     topk = w.TopKAllGather(0.01)
-    sar = w.SparseAllReduce(0.01).transfers(FLAT, cluster(4))
+    sar = w.TopKSplitReduce(0.01).transfers(FLAT, cluster(4))
     assert [(t.rounds, t.bytes_sent) for t in sar] == [(3, 60_000), (3, 60_000)]
     intra = w.Link(100 * GBIT, 1e-6)
     nodes = w.Cluster(4, w.Link(GBIT), gpus_per_node=8, intra=intra)
@@ -144,7 +144,7 @@ def test_bytes_per_worker_in_p():
 
     gather = sent(w.TopKAllGather(0.01))
     assert gather == [(p - 1) * 80_000 for p in workers]  # grows linearly
-    for method, payload in ((w.DenseAllReduce(), 4e6), (w.SparseAllReduce(0.01), 80_000)):
+    for method, payload in ((w.DenseAllReduce(), 4e6), (w.TopKSplitReduce(0.01), 80_000)):
         flat = sent(method)
         assert flat == sorted(flat) and flat[0] == payload and flat[-1] < 2 * payload
     factors = sent(w.PowerSGDAllReduce(4))
@@ -198,7 +198,7 @@ def test_sweep_and_winner_ranges():
         (lambda: w.Cluster(2, w.Link(GBIT), gpus_per_node=2), "intra"),
         (lambda: w.Cluster(2, w.Link(GBIT), schedule="tree"), "schedule"),
         (lambda: w.TopKAllGather(0), "ratio"),
-        (lambda: w.SparseAllReduce(1.5), "ratio"),
+        (lambda: w.TopKSplitReduce(1.5), "ratio"),
         (lambda: w.TopKAllGather(0.01, index_bytes=0), "index_bytes"),
         (lambda: w.DenseAllReduce(-2), "value_bytes"),
         (lambda: w.QSGDAllGather(0), "levels"),

@@ -23,7 +23,7 @@ Methods (``n`` parameters, ``k`` entries sent, ``v`` value and ``i`` index bytes
 - :class:`DenseAllReduce`: fp32 (``v = 4``) or FP16/BF16 (``v = 2``), summable: all-reduce of
   ``n v`` bytes.
 - :class:`TopKAllGather`: ``k (v + i)`` bytes per worker, gathered (the supports differ).
-- :class:`SparseAllReduce`: split-and-reduce (Ok-Topk style): all-to-all of the ``k`` entries to
+- :class:`TopKSplitReduce`: split-and-reduce (Ok-Topk style): all-to-all of the ``k`` entries to
   the owners of their index slices, each owner re-selects ``k / P`` entries of its sum,
   all-gather of those: ``2 (P - 1) / P * k (v + i)`` bytes, flat in ``P`` (indices assumed
   spread evenly over the slices).
@@ -290,7 +290,7 @@ class TopKAllGather:
         return [all_gather(self.payload_bytes(layers), p, cluster.schedule, level)]
 
 
-def _check_topk(method: TopKAllGather | SparseAllReduce) -> None:
+def _check_topk(method: TopKAllGather | TopKSplitReduce) -> None:
     ratio = _number("ratio", method.ratio, inclusive=False)
     if ratio > 1:
         raise ValueError(f"`ratio` must be in (0, 1]; got {ratio!r}")
@@ -300,7 +300,7 @@ def _check_topk(method: TopKAllGather | SparseAllReduce) -> None:
 
 
 @dataclass(frozen=True)
-class SparseAllReduce(TopKAllGather):
+class TopKSplitReduce(TopKAllGather):
     """TopK entries reduced by split-and-reduce: all-to-all to slice owners, re-selection of
     ``k / P`` per owner, all-gather of those (``2 (P - 1) / P * k (v + i)`` bytes per worker)."""
 

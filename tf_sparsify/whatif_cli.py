@@ -89,7 +89,7 @@ def make_methods(args: argparse.Namespace) -> list[w.Method]:
         "dense": lambda: w.DenseAllReduce(4, "dense"),
         "fp16": lambda: w.DenseAllReduce(2, "fp16"),
         "topk": lambda: w.TopKAllGather(**topk),
-        "topk-sar": lambda: w.SparseAllReduce(**topk),
+        "topk-sar": lambda: w.TopKSplitReduce(**topk),
         "qsgd": lambda: w.QSGDAllGather(args.levels),
         "powersgd": lambda: w.PowerSGDAllReduce(args.rank),
     }
