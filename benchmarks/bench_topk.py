@@ -8,7 +8,11 @@ density, the best of ``--repeats`` runs of:
 * TF composite: ``grad + residual``, ``tf.math.top_k(tf.abs(acc))``, sort, gather, scatter;
 * NumPy: add, ``np.argpartition`` on ``|acc|``, sort, gather, zero;
 * bandwidth references: one pass reading grad and residual and writing the residual into an
-  existing buffer (``np.add(..., out=)`` and ``tf.Variable.assign_add``).
+  existing buffer (``np.add(..., out=)`` and ``tf.Variable.assign_add``);
+* the packed payload around the fused op (``tf.function``): the index code alone (encode, and
+  decode of 2 replicas' codes, next to the ScatterSum that follows it), and
+  ``TopK.compress_with_feedback`` whole (fused op + encode), also with
+  ``value_dtype="bfloat16"`` (+ rounding and the residual fix-up).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import best_ms  # noqa: E402
 
+import tf_sparsify as tfs  # noqa: E402
 from tf_sparsify import ops  # noqa: E402
+from tf_sparsify.compressors import bits  # noqa: E402
 
 
 def in_place_ms(grad: tf.Tensor, residual: tf.Tensor, k: int, repeats: int) -> float:
@@ -63,6 +69,30 @@ def numpy_path(g: np.ndarray, r: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
     return values, idx
 
 
+def packing_rows(g: tf.Tensor, r: tf.Tensor, k: int, repeats: int) -> dict[str, float]:
+    """Times of the packed payload's steps around the fused op, each in a ``tf.function``."""
+    n = int(g.shape[0])
+    values, idx, _ = ops.topk_error_feedback(g, r, k)
+    codes = tf.stack([bits.encode_indices(idx, n)] * 2)
+    encode = tf.function(lambda i: bits.encode_indices(i, n), autograph=False)
+    decode = tf.function(lambda c: bits.decode_indices(c, n, k, tf.int32), autograph=False)
+    scatter = tf.function(lambda v, i: ops.scatter_sum(v, i, n), autograph=False)
+    both = tf.concat([values, values], 0), tf.concat([idx, idx], 0)
+    rows = {
+        "pack: encode_indices": best_ms(lambda: encode(idx), repeats),
+        "pack: decode_indices, 2 replicas": best_ms(lambda: decode(codes), repeats),
+        "ScatterSum of 2 replicas' entries": best_ms(lambda: scatter(*both), repeats),
+    }
+    for value_dtype in (None, "bfloat16"):
+        comp = tfs.TopK(k=k, value_dtype=value_dtype)
+        step = tf.function(  # payload and residual (the context is not a tensor)
+            lambda a, b, c=comp: c.compress_with_feedback(a, b, step=0)[::2], autograph=False
+        )
+        name = f"TopK({value_dtype or 'float32'}) compress_with_feedback"
+        rows[name] = best_ms(lambda s=step: s(g, r), repeats)
+    return rows
+
+
 def run(n: int, density: float, repeats: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     k = max(int(n * density), 1)
@@ -81,6 +111,7 @@ def run(n: int, density: float, repeats: int) -> dict[str, float]:
         "NumPy argpartition path": best_ms(lambda: numpy_path(gn, rn, k), repeats),
         "bandwidth: np.add(g, r, out=r)": best_ms(lambda: np.add(gn, out, out=out), repeats),
         "bandwidth: Variable.assign_add": best_ms(lambda: var.assign_add(g), repeats),
+        **packing_rows(g, r, k, repeats),
     }
     fused = rows["fused op, eager (new residual)"]
     print(f"\nn = {n:,}, k = {k:,} ({density:.1%}), float32, best of {repeats}")

@@ -29,13 +29,18 @@ COMPRESSORS = {
     "dense": ("dense (Keras all-reduce)", None, 1.0),
     "topk1": ("TopK 1% + EF", lambda: tfs.TopK(ratio=0.01), 1.0),
     "topk0.1": ("TopK 0.1% + EF", lambda: tfs.TopK(ratio=0.001), 1.0),
+    "topk0.1-bf16": (
+        "TopK 0.1% bf16 + EF",
+        lambda: tfs.TopK(ratio=0.001, value_dtype="bfloat16"),
+        1.0,
+    ),
     "qsgd4": ("QSGD s=4", lambda: tfs.QSGD(levels=4, bucket_size=512), 1.0),
     "randomk10": ("RandomK 10% (lr x 0.1)", lambda: tfs.RandomK(ratio=0.1), 0.1),
     "terngrad": ("TernGrad", lambda: tfs.TernGrad(), 1.0),
     "sign": ("ScaledSign + EF", lambda: tfs.ScaledSign(), 1.0),
     "fp16": ("FP16", lambda: tfs.FP16(), 1.0),
 }
-DEFAULT = "dense,topk1,topk0.1,qsgd4,randomk10"
+DEFAULT = "dense,topk1,topk0.1,topk0.1-bf16,qsgd4,randomk10"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -35,14 +35,15 @@ def model_split(n: int, k: int) -> tuple[int, int]:
 
 
 def model_code(indices: np.ndarray, n: int) -> np.ndarray:
-    """Bit j*L+b holds bit b of index j; bit k*L + (x_j >> L) + j is 1; little-endian bytes."""
+    """Bit (x_j >> L) + j of an H-bit map is 1; bit H + j*L + b holds bit b of index j;
+    little-endian bytes."""
     k = len(indices)
     low, high = model_split(n, k)
-    bits = np.zeros(k * low + high, np.uint8)
+    bits = np.zeros(high + k * low, np.uint8)
     for j, x in enumerate(int(i) for i in indices):
+        bits[(x >> low) + j] = 1
         for b in range(low):
-            bits[j * low + b] = (x >> b) & 1
-        bits[k * low + (x >> low) + j] = 1
+            bits[high + j * low + b] = (x >> b) & 1
     return np.packbits(bits, bitorder="little")
 
 

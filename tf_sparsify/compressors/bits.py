@@ -37,7 +37,7 @@ MAX_LOW_BITS = 32
 
 def index_code_split(num_elements: int, k: int) -> tuple[int, int]:
     """``(low_bits, high_bits)`` of the code for ``k`` sorted distinct indices in
-    ``[0, num_elements)``: ``k * low_bits`` bits of low parts, then a ``high_bits``-bit map.
+    ``[0, num_elements)``: a ``high_bits``-bit map, then ``k`` low parts of ``low_bits`` bits.
 
     ``low_bits`` minimizes the total ``k * L + ((n - 1) >> L) + k`` over
     ``0 <= L <= min(ceil(log2 n), 32)`` (ties to the larger ``L``: fewer bits to scan): at most
@@ -54,24 +54,23 @@ def index_code_bytes(num_elements: int, k: int) -> int:
     """Bytes of :func:`encode_indices`' code for ``k`` of ``num_elements`` indices (Python
     ints only: exact for any size, nothing allocated)."""
     low, high = index_code_split(num_elements, k)
-    return -(-(k * low + high) // 8)
+    return -(-(high + k * low) // 8)
 
 
 def encode_indices(indices: tf.Tensor, num_elements: int) -> tf.Tensor:
     """Elias-Fano code of flat ascending distinct ``indices`` in ``[0, num_elements)``: uint8
     of :func:`index_code_bytes` bytes, bits little-endian.
 
-    Index ``j`` (value ``x``) puts ``x mod 2**L`` at bit ``j * L`` and a 1 at bit
-    ``k * L + (x >> L) + j``; the rest is 0. Its size depends on ``num_elements`` and ``k`` only.
+    Index ``j`` (value ``x``) sets bit ``(x >> L) + j`` of the map (``H`` bits, from bit 0) and
+    puts ``x mod 2**L`` at bit ``H + j * L``; the rest is 0. Its size depends on
+    ``num_elements`` and ``k`` only.
     """
     k = int(indices.shape[0])
-    low, _ = index_code_split(num_elements, k)
+    low, high = index_code_split(num_elements, k)
     x = tf.cast(indices, tf.int64)
     j = tf.range(k, dtype=tf.int64)
-    ids, parts = _field_bytes(tf.bitwise.bitwise_and(x, (1 << low) - 1), j * low, low)
-    high_ids, high_parts = _field_bytes(
-        tf.ones_like(x), k * low + tf.bitwise.right_shift(x, low) + j, 1
-    )
+    high_ids, high_parts = _field_bytes(tf.ones_like(x), tf.bitwise.right_shift(x, low) + j, 1)
+    ids, parts = _field_bytes(tf.bitwise.bitwise_and(x, (1 << low) - 1), high + j * low, low)
     size = index_code_bytes(num_elements, k)
     summed = tf.math.unsorted_segment_sum(  # the fields are disjoint: their sum is their OR
         tf.concat([parts, high_parts], 0), tf.concat([ids, high_ids], 0), size + 8
@@ -84,15 +83,26 @@ def decode_indices(code: tf.Tensor, num_elements: int, k: int, dtype: tf.DType) 
     ``[..., k]`` indices in ``dtype`` (a gathered ``[replicas, bytes]`` code works as it is)."""
     code = tf.convert_to_tensor(code)
     _check_code(code, num_elements, k)
+    lead = code.shape[:-1]
+    rows = tf.reshape(code, [lead.num_elements(), code.shape[-1]])
     low, high = index_code_split(num_elements, k)
-    lows = _read_fields(code, tf.range(k, dtype=tf.int64) * low, low)
-    bits = _read_fields(code, k * low + tf.range(high, dtype=tf.int64), 1)
     j = tf.range(k, dtype=tf.int64)
-    ones_seen = tf.cumsum(bits, axis=-1)  # the j-th 1 is where the count first reaches j + 1
-    wanted = tf.broadcast_to(j + 1, tf.concat([tf.shape(code)[:-1], [k]], 0))
-    position = tf.searchsorted(ones_seen, wanted, side="left", out_type=tf.int64)
+    position = _ones_positions(rows, high, k)
+    lows = _read_fields(rows, high + j * low, low)
     indices = tf.bitwise.bitwise_or(tf.bitwise.left_shift(position - j, low), lows)
-    return tf.cast(indices, dtype)
+    return tf.reshape(tf.cast(indices, dtype), [*lead, k])
+
+
+def _ones_positions(code: tf.Tensor, num_bits: int, k: int) -> tf.Tensor:
+    """Positions of the ``k`` ones among the first ``num_bits`` bits of each row of
+    ``code[rows, bytes]``: int64 ``[rows, k]`` (static shapes, no host synchronization)."""
+    num_rows = code.shape[0]
+    head = tf.cast(code[:, : -(-num_bits // 8)], tf.int32)
+    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(head[..., None], tf.range(8)), 1)
+    bits = tf.reshape(bits, [num_rows, -1])[:, :num_bits]
+    ones_seen = tf.cumsum(bits, axis=1)  # the j-th one is where the count first reaches j + 1
+    wanted = tf.broadcast_to(tf.range(1, k + 1), [num_rows, k])
+    return tf.searchsorted(ones_seen, wanted, side="left", out_type=tf.int64)
 
 
 def _check_code(code: tf.Tensor, num_elements: int, k: int) -> None:
@@ -116,13 +126,20 @@ def _field_bytes(values: tf.Tensor, offsets: tf.Tensor, width: int) -> tuple[tf.
 
 
 def _read_fields(code: tf.Tensor, offsets: tf.Tensor, width: int) -> tf.Tensor:
-    """The ``width``-bit fields at bit ``offsets`` of ``code[..., bytes]``: int64 ``[..., m]``."""
+    """The ``width``-bit fields at bit ``offsets`` of ``code[rows, bytes]``: int64 ``[rows, m]``.
+
+    Each byte's window of the bytes a field can touch is assembled once (in int32 while it
+    fits in 24 bits), then one gather reads every field's window.
+    """
+    if width == 0:  # no bits to read (its offset may be one past the code)
+        return tf.zeros([code.shape[0], offsets.shape[0]], tf.int64)
     touched = (width + 6) // 8 + 1
-    rank = code.shape.rank
-    padded = tf.pad(tf.cast(code, tf.int64), [[0, 0]] * (rank - 1) + [[0, touched]])
-    steps = tf.range(touched, dtype=tf.int64)
-    ids = tf.bitwise.right_shift(offsets, 3)[:, None] + steps
-    chunks = tf.gather(padded, ids, axis=-1)  # [..., m, touched]
-    words = tf.reduce_sum(tf.bitwise.left_shift(chunks, 8 * steps), axis=-1)
-    fields = tf.bitwise.right_shift(words, tf.bitwise.bitwise_and(offsets, 7))
-    return tf.bitwise.bitwise_and(fields, (1 << width) - 1)
+    wide = tf.int32 if touched <= 3 else tf.int64
+    size = code.shape[1]
+    padded = tf.pad(tf.cast(code, wide), [[0, 0], [0, touched]])
+    windows = padded[:, :size]
+    for t in range(1, touched):
+        windows += tf.bitwise.left_shift(padded[:, t : size + t], 8 * t)
+    words = tf.gather(windows, tf.bitwise.right_shift(offsets, 3), axis=1)
+    fields = tf.bitwise.right_shift(words, tf.cast(tf.bitwise.bitwise_and(offsets, 7), wide))
+    return tf.cast(tf.bitwise.bitwise_and(fields, (1 << width) - 1), tf.int64)
