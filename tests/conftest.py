@@ -19,6 +19,15 @@ _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The ops' float dtypes, their names in the NumPy reference, and unsigned ints of their width.
+KIND = {
+    tf.float16: "float16",
+    tf.bfloat16: "bfloat16",
+    tf.float32: "float32",
+    tf.float64: "float64",
+}
+UINT = {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}
+DTYPES = list(KIND)
 
 
 @pytest.fixture(scope="session")

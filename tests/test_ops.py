@@ -19,18 +19,9 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify.ops as ops
+from tests.conftest import DTYPES, KIND, ROOT, UINT
 from tf_sparsify.ops import library, reference
 from tf_sparsify.ops import numpy_reference as npref
-
-KIND = {
-    tf.float16: "float16",
-    tf.bfloat16: "bfloat16",
-    tf.float32: "float32",
-    tf.float64: "float64",
-}
-UINT = {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}
-DTYPES = list(KIND)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture

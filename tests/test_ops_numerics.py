@@ -22,18 +22,11 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify.ops as ops
+from tests.conftest import DTYPES, KIND, UINT
 from tf_sparsify.ops import numpy_reference as npref
 from tf_sparsify.ops import reference
 from tf_sparsify.ops.paths import SOURCE_DIR
 
-KIND = {
-    tf.float16: "float16",
-    tf.bfloat16: "bfloat16",
-    tf.float32: "float32",
-    tf.float64: "float64",
-}
-UINT = {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}
-DTYPES = list(KIND)
 TINY32 = 2.0**-126
 # A float32 exactly in the band the flush rule decides: its IEEE (gradual) rounding at the
 # denormal boundary is FLT_MIN, its rounding with an unbounded exponent is below FLT_MIN.

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import tf_sparsify as tfs
 from benchmarks import whatif_validate as wv
 from tests.conftest import ROOT
 from tf_sparsify import theory
@@ -20,10 +21,11 @@ from tf_sparsify import whatif_cli as cli
 
 GBIT = 1e9 / 8
 FLAT = w.Layers(((10**6,),))  # k = 1% of 10^6 exactly; no rounding per tensor
+TOPK = w.TopKAllGather(0.01, index_bytes=4)  # int32 indices: 8 bytes per entry, hand-computable
 METHODS = [
     w.DenseAllReduce(4, "dense"),
     w.DenseAllReduce(2, "fp16"),
-    w.TopKAllGather(0.01),
+    TOPK,
     w.TopKSplitReduce(0.01),
     w.QSGDAllGather(4),
     w.PowerSGDAllReduce(4),
@@ -59,15 +61,26 @@ def test_link_time_hand_computed():
 
 
 def test_payload_bytes_of_the_benchmark_mlp():
-    """The benchmark measured 40,083,496 bytes/step (dense) and 801,712 (TopK 1%) per rank."""
+    """The benchmark measured 40,083,496 bytes/step (dense) and 508,118 (TopK 1%) per rank."""
     assert w.MLP10M.num_params == 10_020_874
     assert w.DenseAllReduce().payload_bytes(w.MLP10M) == 40_083_496
     # k per tensor: 16057 + 2 x 41944 + 205 (kernels), 3 x 21 + 1 (biases)
     assert w.TopKAllGather(0.01).entries(w.MLP10M) == 100_214
-    assert w.TopKAllGather(0.01).payload_bytes(w.MLP10M) == 801_712
+    assert w.TopKAllGather(0.01).payload_bytes(w.MLP10M) == 508_118
+    assert w.TopKAllGather(0.01, index_bytes=4).payload_bytes(w.MLP10M) == 801_712
     assert w.TopKAllGather(0.01, value_bytes=2, index_bytes=2).payload_bytes(w.MLP10M) == 400_856
     assert w.QSGDAllGather(4).payload_bytes(w.MLP10M) == 10_020_874 + 4 * 8
     assert w.QSGDAllGather(200, bucket_size=1000).payload_bytes(FLAT) == 2 * 10**6 + 4 * 1000
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.001, 0.3, 1.0])
+@pytest.mark.parametrize(("value_dtype", "value_bytes"), [(None, 4), ("bfloat16", 2)])
+def test_topk_bytes_are_the_compressors_wire_bytes(ratio, value_dtype, value_bytes):
+    """The model's TopK payload is what tfs.TopK puts on the wire (values and packed indices)."""
+    layers = w.Layers(((784, 2048), (2048,), (3, 5), (1,), (2**31 + 5,)))
+    compressor = tfs.TopK(ratio=ratio, value_dtype=value_dtype)
+    wire = sum(compressor.wire_bytes(d) for d in layers.sizes)
+    assert w.TopKAllGather(ratio, value_bytes).payload_bytes(layers) == wire
 
 
 def test_powersgd_factors_hand_computed():
@@ -83,7 +96,7 @@ def test_powersgd_factors_hand_computed():
 
 
 def test_sparse_all_reduce_and_hierarchical_hand_computed():
-    topk = w.TopKAllGather(0.01)
+    topk = TOPK
     sar = w.TopKSplitReduce(0.01).transfers(FLAT, cluster(4))
     assert [(t.rounds, t.bytes_sent) for t in sar] == [(3, 60_000), (3, 60_000)]
     intra = w.Link(100 * GBIT, 1e-6)
@@ -142,7 +155,7 @@ def test_bytes_per_worker_in_p():
     def sent(method: w.Method) -> list[float]:
         return [w.bytes_sent(method, FLAT, cluster(p)) for p in workers]
 
-    gather = sent(w.TopKAllGather(0.01))
+    gather = sent(TOPK)
     assert gather == [(p - 1) * 80_000 for p in workers]  # grows linearly
     for method, payload in ((w.DenseAllReduce(), 4e6), (w.TopKSplitReduce(0.01), 80_000)):
         flat = sent(method)
@@ -161,7 +174,7 @@ def test_crossover_closed_form():
 @pytest.mark.parametrize("dense_bytes, expected", [(4, 100), (2, 50)])
 def test_crossover_in_the_model_matches_the_closed_form(dense_bytes, expected):
     """With no latency, TopK 1% all-gather beats the ring all-reduce below P*, loses above."""
-    methods = [w.DenseAllReduce(dense_bytes), w.TopKAllGather(0.01)]
+    methods = [w.DenseAllReduce(dense_bytes), TOPK]
     for p in (2, expected - 1, expected, expected + 1, 1000):
         dense, topk = (x.comm for x in w.predict(methods, FLAT, cluster(p), 0.0))
         if p < expected:
@@ -295,7 +308,7 @@ def test_module_entry_point_sweep_writes_a_png(tmp_path):
 def synthetic_rows(ranks: int, truth: dict) -> list[dict]:
     """Benchmark rows made by the validation's own model from known host terms: the script
     must recover them and predict every rated row exactly."""
-    payloads = {"identity": 40_083_496, "fp16": 20_041_748, "topk1": 801_712}
+    payloads = {"identity": 40_083_496, "fp16": 20_041_748, "topk1": 508_118}
     payloads["exchange_topk1"] = payloads["topk1"]
     calibration = wv.Calibration(truth["t0"], truth["host"], {})
     rows = []

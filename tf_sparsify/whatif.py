@@ -22,7 +22,9 @@ Methods (``n`` parameters, ``k`` entries sent, ``v`` value and ``i`` index bytes
 
 - :class:`DenseAllReduce`: fp32 (``v = 4``) or FP16/BF16 (``v = 2``), summable: all-reduce of
   ``n v`` bytes.
-- :class:`TopKAllGather`: ``k (v + i)`` bytes per worker, gathered (the supports differ).
+- :class:`TopKAllGather`: ``k v`` bytes of values and the packed index code of
+  :class:`tf_sparsify.TopK` (Elias-Fano, about ``k (2 + log2(n / k))`` bits) per worker, or
+  ``k i`` bytes of indices when ``index_bytes`` is given; gathered (the supports differ).
 - :class:`TopKSplitReduce`: split-and-reduce (Ok-Topk style): all-to-all of the ``k`` entries to
   the owners of their index slices, each owner re-selects ``k / P`` entries of its sum,
   all-gather of those: ``2 (P - 1) / P * k (v + i)`` bytes, flat in ``P`` (indices assumed
@@ -54,6 +56,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
+
+from tf_sparsify.compressors.bits import index_code_bytes
 
 Schedule = Literal["ring", "logarithmic"]
 Overlap = Literal["none", "full"]
@@ -266,7 +270,8 @@ class DenseAllReduce:
 
 @dataclass(frozen=True)
 class TopKAllGather:
-    """TopK ``ratio`` per tensor, ``value_bytes`` + ``index_bytes`` per entry; all-gather."""
+    """TopK ``ratio`` per tensor, ``value_bytes`` per value and the packed index code (or
+    ``index_bytes`` per index); all-gather."""
 
     ratio: float = 0.01
     value_bytes: float = 4
@@ -280,10 +285,13 @@ class TopKAllGather:
         return sum(topk_entries(d, self.ratio) for d in layers.sizes)
 
     def payload_bytes(self, layers: Layers) -> float:
-        return sum(
-            topk_entries(d, self.ratio) * (self.value_bytes + _index_bytes(d, self.index_bytes))
-            for d in layers.sizes
-        )
+        """``k`` values and, by default, :class:`tf_sparsify.TopK`'s packed index code."""
+        total = 0.0
+        for d in layers.sizes:
+            k = topk_entries(d, self.ratio)
+            indices = index_code_bytes(d, k) if self.index_bytes is None else k * self.index_bytes
+            total += k * self.value_bytes + indices
+        return total
 
     def transfers(self, layers: Layers, cluster: Cluster) -> list[Transfer]:
         p, level = cluster.workers, cluster.flat_level
@@ -305,6 +313,13 @@ class TopKSplitReduce(TopKAllGather):
     ``k / P`` per owner, all-gather of those (``2 (P - 1) / P * k (v + i)`` bytes per worker)."""
 
     name: str = "topk-sar"
+
+    def payload_bytes(self, layers: Layers) -> float:
+        """``k`` values and indices (int32, int64 past 2^31 entries: not packed)."""
+        return sum(
+            topk_entries(d, self.ratio) * (self.value_bytes + _index_bytes(d, self.index_bytes))
+            for d in layers.sizes
+        )
 
     def transfers(self, layers: Layers, cluster: Cluster) -> list[Transfer]:
         p, level, payload = cluster.workers, cluster.flat_level, self.payload_bytes(layers)

@@ -135,7 +135,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--methods", help="comma list (default: all; hier-* with --gpus-per-node)")
     p.add_argument("--ratio", type=float, default=0.01, help="TopK density")
     p.add_argument("--value-bytes", type=float, default=4, help="TopK bytes per value")
-    p.add_argument("--index-bytes", type=float, help="TopK bytes per index (default int32)")
+    p.add_argument(
+        "--index-bytes", type=float, help="TopK bytes per index (default: packed; topk-sar int32)"
+    )
     p.add_argument("--levels", type=int, default=4, help="QSGD levels")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     p.add_argument("--overhead-ms", type=parse_overheads, default={}, help="METHOD=MS,...")
