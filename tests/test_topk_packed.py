@@ -77,6 +77,11 @@ def test_gathered_codes_decode_per_replica():
     sets[2][-1] = n - 1
     codes = tf.stack([encode_indices(tf.constant(s, tf.int32), n) for s in sets])
     np.testing.assert_array_equal(decode_indices(codes, n, 40, tf.int32).numpy(), np.stack(sets))
+    # an all-gather under MultiWorkerMirroredStrategy leaves the number of replicas unknown
+    spec = tf.TensorSpec([None, codes.shape[1]], tf.uint8)
+    decode = tf.function(lambda c: decode_indices(c, n, 40, tf.int32), input_signature=[spec])
+    assert decode.get_concrete_function().structured_outputs.shape.as_list() == [None, 40]
+    np.testing.assert_array_equal(decode(codes).numpy(), np.stack(sets))
 
 
 def test_code_size_is_static_and_within_the_elias_fano_bound():

@@ -83,20 +83,21 @@ def decode_indices(code: tf.Tensor, num_elements: int, k: int, dtype: tf.DType) 
     ``[..., k]`` indices in ``dtype`` (a gathered ``[replicas, bytes]`` code works as it is)."""
     code = tf.convert_to_tensor(code)
     _check_code(code, num_elements, k)
-    lead = code.shape[:-1]
-    rows = tf.reshape(code, [lead.num_elements(), code.shape[-1]])
+    rows = tf.reshape(code, [-1, code.shape[-1]])  # the leading dimensions may be unknown
     low, high = index_code_split(num_elements, k)
     j = tf.range(k, dtype=tf.int64)
     position = _ones_positions(rows, high, k)
     lows = _read_fields(rows, high + j * low, low)
     indices = tf.bitwise.bitwise_or(tf.bitwise.left_shift(position - j, low), lows)
-    return tf.reshape(tf.cast(indices, dtype), [*lead, k])
+    out = tf.reshape(tf.cast(indices, dtype), tf.concat([tf.shape(code)[:-1], [k]], 0))
+    out.set_shape(code.shape[:-1].concatenate([k]))
+    return out
 
 
 def _ones_positions(code: tf.Tensor, num_bits: int, k: int) -> tf.Tensor:
     """Positions of the ``k`` ones among the first ``num_bits`` bits of each row of
     ``code[rows, bytes]``: int64 ``[rows, k]`` (static shapes, no host synchronization)."""
-    num_rows = code.shape[0]
+    num_rows = tf.shape(code)[0]
     head = tf.cast(code[:, : -(-num_bits // 8)], tf.int32)
     bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(head[..., None], tf.range(8)), 1)
     bits = tf.reshape(bits, [num_rows, -1])[:, :num_bits]
@@ -132,7 +133,7 @@ def _read_fields(code: tf.Tensor, offsets: tf.Tensor, width: int) -> tf.Tensor:
     fits in 24 bits), then one gather reads every field's window.
     """
     if width == 0:  # no bits to read (its offset may be one past the code)
-        return tf.zeros([code.shape[0], offsets.shape[0]], tf.int64)
+        return tf.zeros([tf.shape(code)[0], offsets.shape[0]], tf.int64)
     touched = (width + 6) // 8 + 1
     wide = tf.int32 if touched <= 3 else tf.int64
     size = code.shape[1]
