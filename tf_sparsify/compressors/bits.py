@@ -96,14 +96,35 @@ def decode_indices(code: tf.Tensor, num_elements: int, k: int, dtype: tf.DType) 
 
 def _ones_positions(code: tf.Tensor, num_bits: int, k: int) -> tf.Tensor:
     """Positions of the ``k`` ones among the first ``num_bits`` bits of each row of
-    ``code[rows, bytes]``: int64 ``[rows, k]`` (static shapes, no host synchronization)."""
-    num_rows = tf.shape(code)[0]
-    head = tf.cast(code[:, : -(-num_bits // 8)], tf.int32)
-    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(head[..., None], tf.range(8)), 1)
-    bits = tf.reshape(bits, [num_rows, -1])[:, :num_bits]
-    ones_seen = tf.cumsum(bits, axis=1)  # the j-th one is where the count first reaches j + 1
-    wanted = tf.broadcast_to(tf.range(1, k + 1), [num_rows, k])
-    return tf.searchsorted(ones_seen, wanted, side="left", out_type=tf.int64)
+    ``code[rows, bytes]``: int64 ``[rows, k]`` (static shapes, no host synchronization).
+
+    Byte by byte: a byte's ones have ranks from the count of ones in the bytes before it (a
+    cumulative sum over bytes, not bits) and bit positions from a 256-entry table; each of its
+    8 slots that holds a one lands at its rank (the others in a dropped segment).
+    """
+    num_bytes = -(-num_bits // 8)
+    mask = [255] * num_bytes
+    if num_bits % 8:  # the low parts start inside the last byte of the map
+        mask[-1] = (1 << (num_bits % 8)) - 1
+    head = tf.bitwise.bitwise_and(tf.cast(code[:, :num_bytes], tf.int32), mask)
+    counts = tf.gather(_ONES_IN_BYTE, head)  # [rows, bytes]
+    ranks = tf.cumsum(counts, axis=1, exclusive=True)[..., None] + tf.range(8)  # [rows, bytes, 8]
+    wide = tf.int32 if 8 * num_bytes < 2**31 else tf.int64
+    positions = tf.cast(tf.gather(_ONE_POSITIONS, head), wide)
+    positions += tf.range(0, 8 * num_bytes, 8, dtype=wide)[:, None]
+    rows = tf.shape(code, out_type=tf.int64)[0]
+    slots = tf.range(rows)[:, None, None] * k + tf.cast(ranks, tf.int64)
+    slots = tf.where(tf.range(8) < counts[..., None], slots, rows * k)  # empty slots: dropped
+    found = tf.math.unsorted_segment_sum(positions, slots, rows * k + 1)[:-1]
+    return tf.cast(tf.reshape(found, [rows, k]), tf.int64)
+
+
+#: ones in each byte value, and the bit positions of its ones in increasing order (0-padded)
+_ONES_IN_BYTE = tf.constant([bin(b).count("1") for b in range(256)], tf.int32)
+_ONE_POSITIONS = tf.constant(
+    [[t for t in range(8) if b >> t & 1] + [0] * (8 - bin(b).count("1")) for b in range(256)],
+    tf.int32,
+)
 
 
 def _check_code(code: tf.Tensor, num_elements: int, k: int) -> None:
