@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,3 +75,21 @@ def test_pip_install_from_checkout_builds_and_loads_kernels(tmp_path):
     assert _run([py, "-c", topk], work, {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"}).strip() == (
         "[1, 2]"
     )
+
+
+def test_import_leaves_tensorflow_unconfigured():
+    """Importing the package starts no TensorFlow context (no eager tensor at import), so users
+    can still set up logical devices and MultiWorkerMirroredStrategy's collectives after it."""
+    out = run_python(
+        """
+        import tensorflow as tf
+        import tf_sparsify
+        import tf_sparsify.keras
+        from tf_sparsify.compressors import bits
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        two = [tf.config.LogicalDeviceConfiguration()] * 2
+        tf.config.set_logical_device_configuration(cpu, two)
+        print(len(tf.config.list_logical_devices("CPU")))
+        """
+    )
+    assert out.split()[-1] == "2"

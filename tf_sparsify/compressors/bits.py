@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -119,11 +120,13 @@ def _ones_positions(code: tf.Tensor, num_bits: int, k: int) -> tf.Tensor:
     return tf.cast(tf.reshape(found, [rows, k]), tf.int64)
 
 
-#: ones in each byte value, and the bit positions of its ones in increasing order (0-padded)
-_ONES_IN_BYTE = tf.constant([bin(b).count("1") for b in range(256)], tf.int32)
-_ONE_POSITIONS = tf.constant(
+#: ones in each byte value, and the bit positions of its ones in increasing order (0-padded);
+#: NumPy, not tf.constant: an eager tensor at import would start TensorFlow's context before
+#: users configure devices or collectives
+_ONES_IN_BYTE = np.array([bin(b).count("1") for b in range(256)], np.int32)
+_ONE_POSITIONS = np.array(
     [[t for t in range(8) if b >> t & 1] + [0] * (8 - bin(b).count("1")) for b in range(256)],
-    tf.int32,
+    np.int32,
 )
 
 
