@@ -77,21 +77,15 @@ class HorovodCollective(Collective):
         tensors = self._gated(tensors)
         out: list[tf.Tensor | None] = [None] * len(tensors)
         native = [i for i, t in enumerate(tensors) if t.dtype in _REDUCIBLE]
-        for idx, reduced in _by_dtype(tensors, native, self._reduce):
-            for i, t in zip(idx, reduced, strict=True):
-                out[i] = t
+        _by_dtype(tensors, native, self._reduce, out)
         other = [i for i in range(len(tensors)) if i not in native]
-        for idx, gathered in _by_dtype(tensors, other, self._gather):
-            for i, g in zip(idx, gathered, strict=True):
-                out[i] = _local_sum(g)
+        _by_dtype(tensors, other, self._gather, out, lambda i, g: _local_sum(g))
         return out
 
     def all_gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         tensors = self._gated(tensors)
         out: list[tf.Tensor | None] = [None] * len(tensors)
-        for idx, gathered in _by_dtype(tensors, range(len(tensors)), self._gather):
-            for i, g in zip(idx, gathered, strict=True):
-                out[i] = g
+        _by_dtype(tensors, range(len(tensors)), self._gather, out)
         return out
 
     def reduce_scatter_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -101,9 +95,13 @@ class HorovodCollective(Collective):
         tensors = self._gated(tensors)
         wide = [t if t.dtype in _REDUCIBLE else tf.cast(t, tf.float32) for t in tensors]
         out: list[tf.Tensor | None] = [None] * len(tensors)
-        for idx, parts in _by_dtype(wide, range(len(wide)), self._reduce_scatter):
-            for i, part in zip(idx, parts, strict=True):
-                out[i] = tf.cast(part, tensors[i].dtype)
+        _by_dtype(
+            wide,
+            range(len(wide)),
+            self._reduce_scatter,
+            out,
+            lambda i, part: tf.cast(part, tensors[i].dtype),
+        )
         return out
 
     def all_to_all(self, tensors: list[tf.Tensor], splits: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -127,9 +125,7 @@ class HorovodCollective(Collective):
         group per dtype (bfloat16 as its int16 bits)."""
         tensors = self._gated(tensors)
         out: list[tf.Tensor | None] = [None] * len(tensors)
-        for idx, gathered in _by_dtype(tensors, range(len(tensors)), self._gather_rows):
-            for i, g in zip(idx, gathered, strict=True):
-                out[i] = g
+        _by_dtype(tensors, range(len(tensors)), self._gather_rows, out)
         return out
 
     # -- transfers (one dtype per call) ------------------------------------------------------
@@ -183,14 +179,20 @@ class HorovodCollective(Collective):
 
 
 def _by_dtype(
-    tensors: list[tf.Tensor], indices, transfer: Callable[[list[tf.Tensor]], list[tf.Tensor]]
-):
-    """``(indices, results)`` of one ``transfer`` call per wire dtype, in first-seen order."""
+    tensors: list[tf.Tensor],
+    indices,
+    transfer: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+    out: list,
+    finish: Callable[[int, tf.Tensor], tf.Tensor] = lambda i, result: result,
+) -> None:
+    """One ``transfer`` call per wire dtype of ``tensors[indices]`` (in first-seen order);
+    ``out[i]`` is ``finish(i, result)`` for each tensor's result."""
     groups: dict[tf.DType, list[int]] = {}
     for i in indices:
         groups.setdefault(_wire_dtype(tensors[i].dtype), []).append(i)
     for idx in groups.values():
-        yield idx, transfer([tensors[i] for i in idx])
+        for i, result in zip(idx, transfer([tensors[i] for i in idx]), strict=True):
+            out[i] = finish(i, result)
 
 
 def _wire_dtype(dtype: tf.DType) -> tf.DType:
