@@ -33,7 +33,7 @@ from timing import best_ms  # noqa: E402
 
 import tf_sparsify as tfs  # noqa: E402
 from tf_sparsify import ops  # noqa: E402
-from tf_sparsify.compressors import bits  # noqa: E402
+from tf_sparsify.ops import index_code  # noqa: E402
 
 
 def in_place_ms(grad: tf.Tensor, residual: tf.Tensor, k: int, repeats: int) -> float:
@@ -73,14 +73,22 @@ def packing_rows(g: tf.Tensor, r: tf.Tensor, k: int, repeats: int) -> dict[str, 
     """Times of the packed payload's steps around the fused op, each in a ``tf.function``."""
     n = int(g.shape[0])
     values, idx, _ = ops.topk_error_feedback(g, r, k)
-    codes = tf.stack([bits.encode_indices(idx, n)] * 2)
-    encode = tf.function(lambda i: bits.encode_indices(i, n), autograph=False)
-    decode = tf.function(lambda c: bits.decode_indices(c, n, k, tf.int32), autograph=False)
+    codes = tf.stack([ops.encode_indices(idx, n)] * 2)
+    encode = tf.function(lambda i: ops.encode_indices(i, n), autograph=False)
+    decode = tf.function(lambda c: ops.decode_indices(c, n, k, tf.int32), autograph=False)
+    ref_encode = tf.function(lambda i: index_code.reference_encode(i, n), autograph=False)
+    ref_decode = tf.function(
+        lambda c: index_code.reference_decode(c, n, k, tf.int32), autograph=False
+    )
     scatter = tf.function(lambda v, i: ops.scatter_sum(v, i, n), autograph=False)
     both = tf.concat([values, values], 0), tf.concat([idx, idx], 0)
     rows = {
-        "pack: encode_indices": best_ms(lambda: encode(idx), repeats),
-        "pack: decode_indices, 2 replicas": best_ms(lambda: decode(codes), repeats),
+        "pack: encode_indices (kernel)": best_ms(lambda: encode(idx), repeats),
+        "pack: encode_indices (pure-TF reference)": best_ms(lambda: ref_encode(idx), repeats),
+        "pack: decode_indices, 2 replicas (kernel)": best_ms(lambda: decode(codes), repeats),
+        "pack: decode_indices, 2 replicas (pure-TF reference)": best_ms(
+            lambda: ref_decode(codes), repeats
+        ),
         "ScatterSum of 2 replicas' entries": best_ms(lambda: scatter(*both), repeats),
     }
     for value_dtype in (None, "bfloat16"):

@@ -30,6 +30,19 @@ UINT = {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}
 DTYPES = list(KIND)
 
 
+@pytest.fixture
+def compiled():
+    """The raw op module; fails under TF_SPARSIFY_REQUIRE_OPS=1 when it is missing."""
+    import tf_sparsify.ops as ops
+
+    if not ops.is_compiled():
+        reason = ops.info().reason
+        if os.environ.get(ops.REQUIRE_ENV) == "1":
+            pytest.fail(f"compiled ops required but unavailable: {reason}")
+        pytest.skip(f"compiled ops unavailable: {reason}")
+    return ops._library().module
+
+
 @pytest.fixture(scope="session")
 def mirrored2() -> tf.distribute.MirroredStrategy:
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

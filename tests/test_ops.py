@@ -25,17 +25,6 @@ from tf_sparsify.ops import numpy_reference as npref
 
 
 @pytest.fixture
-def compiled():
-    """The raw op module; fails under TF_SPARSIFY_REQUIRE_OPS=1 when it is missing."""
-    if not ops.is_compiled():
-        reason = ops.info().reason
-        if os.environ.get(ops.REQUIRE_ENV) == "1":
-            pytest.fail(f"compiled ops required but unavailable: {reason}")
-        pytest.skip(f"compiled ops unavailable: {reason}")
-    return ops._library().module
-
-
-@pytest.fixture
 def available():
     """The ops as dispatched (compiled, else the reference); fails when compiled ones are
     required but missing."""
@@ -544,6 +533,16 @@ def test_fallback_warns_once(monkeypatch):
         ops.topk_error_feedback(g, r, 4)
 
 
+def test_library_built_from_older_sources_is_not_used(compiled, monkeypatch):
+    """A library lacking an op (built before it existed) says so and how to rebuild."""
+    older = type("OlderOps", (), {"TopKErrorFeedback": None, "ScatterSum": None})
+    monkeypatch.setattr(library.tf, "load_op_library", lambda path: older)
+    loaded = library.load()
+    assert loaded.module is None
+    assert "lacks QSGDQuantize, QSGDDequantize, IndexCodeEncode, IndexCodeDecode" in loaded.reason
+    assert "python -m tf_sparsify.ops.build" in loaded.reason
+
+
 def test_info_and_cli(compiled):
     report = ops.info()
     assert report.compiled and "CPU" in report.kernels["TopKErrorFeedback"]
@@ -552,6 +551,8 @@ def test_info_and_cli(compiled):
         "QSGDQuantize",
         "QSGDDequantize",
         "ScatterSum",
+        "IndexCodeEncode",
+        "IndexCodeDecode",
     }
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.run(

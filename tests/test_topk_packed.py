@@ -14,7 +14,8 @@ import tensorflow as tf
 import tf_sparsify as tfs
 from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
 from tf_sparsify.compressors import deserialize, serialize
-from tf_sparsify.compressors.bits import decode_indices, encode_indices, index_code_bytes
+from tf_sparsify.ops import decode_indices, encode_indices
+from tf_sparsify.ops.index_code import index_code_bytes, reference_decode, reference_encode
 from tf_sparsify.pipeline import GradientPipeline
 
 NP_VALUE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -63,11 +64,53 @@ def index_sets() -> list[tuple[int, np.ndarray]]:
 
 @pytest.mark.parametrize("n, indices", index_sets(), ids=lambda v: str(v)[:20])
 def test_code_matches_numpy_model_and_decodes(n, indices):
+    """The op (the kernel under TF_SPARSIFY_REQUIRE_OPS=1) and the pure-TF reference give the
+    model's bytes and decode them back."""
     dtype = tf.int64 if n > 2**31 - 1 else tf.int32
-    code = encode_indices(tf.constant(indices, dtype), n)
-    np.testing.assert_array_equal(code.numpy(), model_code(indices, n))
-    assert code.shape == [index_code_bytes(n, len(indices))]
-    np.testing.assert_array_equal(decode_indices(code, n, len(indices), dtype).numpy(), indices)
+    for encode, decode in ((encode_indices, decode_indices), (reference_encode, reference_decode)):
+        code = encode(tf.constant(indices, dtype), n)
+        np.testing.assert_array_equal(code.numpy(), model_code(indices, n))
+        assert code.shape == [index_code_bytes(n, len(indices))]
+        np.testing.assert_array_equal(decode(code, n, len(indices), dtype).numpy(), indices)
+
+
+def test_kernel_codes_random_sets_as_the_reference(compiled):
+    """Many random sets at TopK's densities, both index dtypes, gathered rows."""
+    rng = np.random.default_rng(3)
+    for n, k in ((4_194_304, 41_944), (1_605_632, 16_057), (20_480, 205), (1000, 999), (33, 1)):
+        sets = np.stack([np.sort(rng.choice(n, k, replace=False)) for _ in range(3)])
+        for dtype in (tf.int32, tf.int64):
+            codes = tf.stack([encode_indices(tf.constant(s, dtype), n) for s in sets])
+            expected = tf.stack([reference_encode(tf.constant(s, dtype), n) for s in sets])
+            np.testing.assert_array_equal(codes.numpy(), expected.numpy())
+            np.testing.assert_array_equal(decode_indices(codes, n, k, dtype).numpy(), sets)
+
+
+@pytest.mark.parametrize(
+    "indices, message",
+    [
+        ([3, 2], r"strictly ascending, got indices\[0\] = 3 and indices\[1\] = 2"),
+        ([2, 2], r"strictly ascending, got indices\[0\] = 2 and indices\[1\] = 2"),
+        ([1, 100], r"indices\[1\] = 100 is out of range \[0, 100\)"),
+        ([-1, 5], r"indices\[0\] = -1 is out of range"),
+    ],
+)
+def test_kernel_rejects_indices_that_are_not_a_sorted_set(compiled, indices, message):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        encode_indices(tf.constant(indices, tf.int32), 100)
+
+
+def test_kernel_rejects_a_corrupt_code(compiled):
+    """A row whose map lacks ones, or that decodes past n, is named instead of giving indices
+    that would scatter out of range."""
+    code = encode_indices(tf.constant([1, 50, 99], tf.int32), 100).numpy()
+    empty = np.zeros_like(code)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="code row 1 holds 0 indices"):
+        decode_indices(tf.constant(np.stack([code, empty])), 100, 3)
+    bits = np.unpackbits(code, bitorder="little")  # n = 100, k = 3: 6 map bits, 5-bit lows
+    bits[6 + 2 * 5 : 6 + 3 * 5] = 1  # the last index, 99 = 3 * 32 + 3, becomes 3 * 32 + 31
+    with pytest.raises(tf.errors.InvalidArgumentError, match="decodes index 2 to 127"):
+        decode_indices(tf.constant(np.packbits(bits, bitorder="little")), 100, 3)
 
 
 def test_gathered_codes_decode_per_replica():
@@ -304,5 +347,7 @@ def test_bad_code_is_named():
     comp = tfs.TopK(k=4)
     (values, code), ctx = comp.compress(tf.range(100.0))
     for bad in (code[:-1], tf.cast(code, tf.int32), code[0]):
-        with pytest.raises(ValueError, match=r"`code` must be uint8 with 4 bytes"):
+        with pytest.raises(
+            tf.errors.InvalidArgumentError, match=r"code must be uint8 with 4 bytes"
+        ):
             comp.decompress((values, bad), ctx)

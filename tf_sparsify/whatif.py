@@ -57,7 +57,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
-from tf_sparsify.compressors.bits import index_code_bytes
+from tf_sparsify.ops.index_code import index_code_bytes
 
 Schedule = Literal["ring", "logarithmic"]
 Overlap = Literal["none", "full"]

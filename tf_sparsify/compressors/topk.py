@@ -16,8 +16,8 @@ from tf_sparsify.compressors.base import (
     k_for,
     ones_at,
 )
-from tf_sparsify.compressors.bits import decode_indices, encode_indices, index_code_bytes
 from tf_sparsify.compressors.dense import saturating_cast
+from tf_sparsify.ops.index_code import index_code_bytes
 from tf_sparsify.ops.reference import index_dtype
 
 VALUE_DTYPES = ("float16", "bfloat16")
@@ -29,7 +29,7 @@ class TopK(Compressor):
     Give exactly one of ``ratio`` (k = max(1, ceil(ratio * d))) or ``k``; a ``k`` larger than
     a tensor is clamped to its size. Payload: ``(values, code)``: the k values in ascending
     index order, and the indices as a uint8 Elias-Fano code
-    (:func:`~tf_sparsify.compressors.bits.encode_indices`, about ``2 + log2(d / k)`` bits
+    (:func:`~tf_sparsify.ops.encode_indices`, about ``2 + log2(d / k)`` bits
     each; its size depends on d and k only). Backed by the fused ``TopKErrorFeedback`` op.
 
     ``value_dtype``: ``None`` sends values in the tensor's dtype; ``"float16"`` or
@@ -91,13 +91,13 @@ class TopK(Compressor):
         sent = self._round(values)
         if sent.dtype != values.dtype:
             new_residual = _keep_error(new_residual, indices, values, sent, ctx)
-        return (sent, encode_indices(indices, ctx.num_elements)), ctx, new_residual
+        return (sent, ops.encode_indices(indices, ctx.num_elements)), ctx, new_residual
 
     def _compress(self, tensor, ctx, replica_id) -> Payload:
         values, indices, _ = ops.topk_error_feedback(
             tensor, tf.zeros_like(tensor), self.num_selected(ctx.num_elements)
         )
-        return self._round(values), encode_indices(indices, ctx.num_elements)
+        return self._round(values), ops.encode_indices(indices, ctx.num_elements)
 
     def _round(self, values: tf.Tensor) -> tf.Tensor:
         """``values`` in their wire dtype (saturating)."""
@@ -107,7 +107,7 @@ class TopK(Compressor):
     def indices(self, code: tf.Tensor, ctx: Context) -> tf.Tensor:
         """The flat indices of a code (``[..., bytes]`` gives ``[..., k]``)."""
         n = ctx.num_elements
-        return decode_indices(code, n, self.num_selected(n), index_dtype(n))
+        return ops.decode_indices(code, n, self.num_selected(n), index_dtype(n))
 
     def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
         values, code = payload

@@ -1,4 +1,5 @@
-"""Custom ops: fused TopK with error feedback, QSGD quantization and a dense scatter-sum.
+"""Custom ops: fused TopK with error feedback, QSGD quantization, a dense scatter-sum and the
+Elias-Fano code of TopK's indices.
 
 Each function runs the compiled kernels (built by ``python -m tf_sparsify.ops.build``, loaded by
 :mod:`tf_sparsify.ops.library`) when they load, and otherwise the pure-TF reference in
@@ -30,12 +31,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify.ops import library, reference
+from tf_sparsify.ops import index_code, library, reference
 from tf_sparsify.ops.gpu import format_cuda
 from tf_sparsify.ops.numpy_reference import num_buckets
 
 __all__ = [
     "OpsInfo",
+    "decode_indices",
+    "encode_indices",
     "info",
     "is_compiled",
     "qsgd_dequantize",
@@ -374,3 +377,52 @@ def scatter_sum(values: tf.Tensor, indices: tf.Tensor, n: int | tf.Tensor) -> tf
     if ops is None:
         return reference.scatter_sum(values, indices, n)
     return ops.scatter_sum(values, indices, n)
+
+
+def encode_indices(indices: tf.Tensor, num_elements: int) -> tf.Tensor:
+    """The Elias-Fano code of strictly ascending flat ``indices`` (int32/int64, static length
+    k) in ``[0, num_elements)``: uint8 of :func:`~tf_sparsify.ops.index_code.index_code_bytes`
+    bytes, about ``2 + log2(num_elements / k)`` bits per index (layout:
+    :mod:`tf_sparsify.ops.index_code`). The kernel fails on unsorted, repeated or out-of-range
+    indices; the pure-TF reference does not check them. CPU kernel only (a few bytes per index
+    move to and from a GPU)."""
+    indices = tf.convert_to_tensor(indices)
+    if indices.dtype not in INDEX_DTYPES:
+        raise _invalid(f"indices must be int32 or int64, got {indices.dtype.name}")
+    if indices.shape.rank != 1 or indices.shape[0] is None:
+        raise _invalid(f"indices must be a vector of static length, got shape {indices.shape}")
+    n = _static_int(num_elements)
+    if n is None or n < 0:
+        raise _invalid(f"num_elements must be an int >= 0, got {num_elements!r}")
+    ops = _compiled()
+    if ops is None:
+        return index_code.reference_encode(indices, n)
+    low = index_code.low_bits_for(n, indices.shape[0])
+    return ops.index_code_encode(indices, num_elements=n, low_bits=low)
+
+
+def decode_indices(
+    code: tf.Tensor, num_elements: int, k: int, index_dtype: tf.DType = tf.int32
+) -> tf.Tensor:
+    """Inverse of :func:`encode_indices` on the last axis: ``code[..., bytes]`` gives the
+    ``[..., k]`` indices in ``index_dtype`` (a gathered ``[replicas, bytes]`` stack, also with an
+    unknown number of rows, decodes row by row). The kernel fails on a row that is not a code of
+    k indices below ``num_elements``; the pure-TF reference does not check."""
+    code = tf.convert_to_tensor(code)
+    n, k_int = _static_int(num_elements), _static_int(k)
+    if n is None or k_int is None or not 0 <= k_int <= n:
+        raise _invalid(f"need ints 0 <= k <= num_elements, got k={k!r}, {num_elements=!r}")
+    size = index_code.index_code_bytes(n, k_int)
+    if code.dtype != tf.uint8 or code.shape.rank in (None, 0) or code.shape[-1] != size:
+        raise _invalid(
+            f"code must be uint8 with {size} bytes on its last axis (k={k_int} of {n} "
+            f"indices); got dtype={code.dtype.name}, shape={code.shape}"
+        )
+    index_dtype = _check_index_dtype(index_dtype, n)
+    ops = _compiled()
+    if ops is None:
+        return index_code.reference_decode(code, n, k_int, index_dtype)
+    low = index_code.low_bits_for(n, k_int)
+    return ops.index_code_decode(
+        code, num_elements=n, k=k_int, low_bits=low, index_type=index_dtype
+    )

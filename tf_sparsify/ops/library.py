@@ -22,8 +22,21 @@ import tensorflow as tf
 from tf_sparsify.ops import gpu
 from tf_sparsify.ops.paths import GPU_LIB_NAME, INFO_NAME, LIB_NAME, search_dirs
 
-OP_NAMES = ("TopKErrorFeedback", "QSGDQuantize", "QSGDDequantize", "ScatterSum")
-NOT_DIFFERENTIABLE = ("TopKErrorFeedback", "QSGDQuantize", "QSGDDequantize")
+OP_NAMES = (
+    "TopKErrorFeedback",
+    "QSGDQuantize",
+    "QSGDDequantize",
+    "ScatterSum",
+    "IndexCodeEncode",
+    "IndexCodeDecode",
+)
+NOT_DIFFERENTIABLE = (
+    "TopKErrorFeedback",
+    "QSGDQuantize",
+    "QSGDDequantize",
+    "IndexCodeEncode",
+    "IndexCodeDecode",
+)
 
 
 @dataclass(frozen=True)
@@ -120,6 +133,10 @@ def load() -> Library:
         module = tf.load_op_library(str(path))
     except (tf.errors.OpError, OSError) as err:
         return Library(None, f"cannot load {path}: {err}", directory, build)
+    missing = [name for name in OP_NAMES if not hasattr(module, name)]
+    if missing:  # built from older sources
+        why = f"{path} lacks {', '.join(missing)}: rebuild with python -m tf_sparsify.ops.build"
+        return Library(None, why, directory, build)
     for name in NOT_DIFFERENTIABLE:
         tf.no_gradient(name)
     tf.RegisterGradient("ScatterSum")(_scatter_sum_gradient)

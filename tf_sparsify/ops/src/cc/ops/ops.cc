@@ -132,4 +132,62 @@ index occurs at most twice, while sums of three or more duplicates depend on the
 atomic additions.
 )doc");
 
+namespace {
+
+// Bytes of the Elias-Fano code of k of n indices with low parts of low_bits bits.
+int64_t IndexCodeBytes(int64_t n, int64_t k, int64_t low_bits) {
+  if (k == 0) return 0;
+  return (((n - 1) >> low_bits) + k + k * low_bits + 7) / 8;
+}
+
+}  // namespace
+
+REGISTER_OP("IndexCodeEncode")
+    .Input("indices: Tindex")
+    .Output("code: uint8")
+    .Attr("Tindex: {int32, int64}")
+    .Attr("num_elements: int >= 0")
+    .Attr("low_bits: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &indices));
+      int64_t n, low_bits;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_elements", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("low_bits", &low_bits));
+      DimensionHandle k = c->Dim(indices, 0);
+      c->set_output(0, c->ValueKnown(k) ? c->Vector(IndexCodeBytes(n, c->Value(k), low_bits))
+                                        : c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Elias-Fano code of k strictly ascending indices in [0, num_elements) (uint8, bits
+little-endian). With L = low_bits and H = ((num_elements - 1) >> L) + k, index j (value x)
+sets bit (x >> L) + j of the map (bits [0, H)) and puts x mod 2^L at bit H + j * L; the rest is
+0. ceil((H + k * L) / 8) bytes, none when k = 0. Unsorted, repeated or out-of-range indices
+fail with InvalidArgument.
+)doc");
+
+REGISTER_OP("IndexCodeDecode")
+    .Input("code: uint8")
+    .Output("indices: index_type")
+    .Attr("num_elements: int >= 0")
+    .Attr("k: int >= 0")
+    .Attr("low_bits: int >= 0")
+    .Attr("index_type: {int32, int64}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle code;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &code));
+      int64_t k;
+      TF_RETURN_IF_ERROR(c->GetAttr("k", &k));
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->ReplaceDim(code, -1, c->MakeDim(k), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Inverse of IndexCodeEncode on the last axis: code [..., bytes] gives the [..., k] indices of
+each row (rows decode in parallel). A row whose map holds fewer than k ones, or that decodes
+an index >= num_elements, fails with InvalidArgument naming the row.
+)doc");
+
 }  // namespace tensorflow

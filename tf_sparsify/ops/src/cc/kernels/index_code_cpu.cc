@@ -1,0 +1,261 @@
+// CPU kernels of IndexCodeEncode and IndexCodeDecode: the Elias-Fano code of k ascending
+// distinct flat indices in [0, n), as TopK's payload carries them.
+//
+// Layout (bits little-endian within and across bytes): with L = low_bits and
+// H = ((n - 1) >> L) + k, index j (value x) sets bit (x >> L) + j of the map (bits [0, H)) and
+// puts x mod 2^L at bits [H + j * L, H + (j + 1) * L); every other bit is 0. The code has
+// ceil((H + k * L) / 8) bytes (none when k = 0). Both kernels walk the code once: encode
+// writes the low parts with a 64-bit bit writer, decode finds the map's ones word by word
+// (count trailing zeros) and reads the low parts with a 64-bit bit reader. Rows of a gathered
+// [..., bytes] code decode in parallel on TF's CPU pool. Bad input (unsorted, repeated or
+// out-of-range indices; a code whose map does not hold k ones or decodes past n) fails with
+// InvalidArgument naming the argument, the row and the position.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "cpu_parallel.h"
+
+namespace tensorflow {
+namespace tfs_ops {
+namespace {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the code is read as little-endian words");
+
+// Bits of the map, low part width and code bytes for k of n indices (attrs checked by the op).
+struct Layout {
+  int64_t low_bits;
+  int64_t map_bits;
+  int64_t bytes;
+};
+
+Layout MakeLayout(int64_t n, int64_t k, int64_t low_bits) {
+  if (k == 0) return {low_bits, 0, 0};
+  const int64_t map_bits = ((n - 1) >> low_bits) + k;
+  return {low_bits, map_bits, (map_bits + k * low_bits + 7) / 8};
+}
+
+absl::Status CheckAttrs(const char* op, int64_t n, int64_t low_bits) {
+  if (n < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": num_elements must be >= 0, got ", n));
+  }
+  if (low_bits < 0 || low_bits > 32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": low_bits must be in [0, 32], got ", low_bits));
+  }
+  return absl::OkStatus();
+}
+
+// Appends fields of at most 32 bits to a zeroed byte buffer, starting at bit `bit`.
+class BitWriter {
+ public:
+  BitWriter(uint8_t* out, int64_t bit) : out_(out + (bit >> 3)), used_(bit & 7) {
+    pending_ = used_ ? *out_ : 0;
+  }
+  void Put(uint64_t value, int width) {
+    pending_ |= value << used_;
+    used_ += width;
+    while (used_ >= 8) {
+      *out_++ = static_cast<uint8_t>(pending_);
+      pending_ >>= 8;
+      used_ -= 8;
+    }
+  }
+  void Flush() {
+    if (used_) *out_ = static_cast<uint8_t>(pending_);
+  }
+
+ private:
+  uint8_t* out_;
+  int used_;
+  uint64_t pending_;
+};
+
+// Reads consecutive fields of at most 32 bits from `code` (of `size` bytes) from bit `bit`.
+class BitReader {
+ public:
+  BitReader(const uint8_t* code, int64_t size, int64_t bit)
+      : code_(code), size_(size), next_(bit >> 3), skip_(bit & 7) {}
+  uint64_t Get(int width) {
+    while (have_ < width + skip_) {
+      const uint64_t byte = next_ < size_ ? code_[next_] : 0;
+      buffer_ |= byte << have_;
+      have_ += 8;
+      ++next_;
+    }
+    buffer_ >>= skip_;
+    have_ -= skip_;
+    skip_ = 0;
+    const uint64_t value = buffer_ & ((uint64_t{1} << width) - 1);
+    buffer_ >>= width;
+    have_ -= width;
+    return value;
+  }
+
+ private:
+  const uint8_t* code_;
+  int64_t size_;
+  int64_t next_;
+  int skip_;
+  uint64_t buffer_ = 0;
+  int have_ = 0;
+};
+
+template <typename Index>
+absl::Status CheckSorted(const Index* indices, int64_t k, int64_t n) {
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t x = static_cast<int64_t>(indices[j]);
+    if (x < 0 || x >= n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "IndexCodeEncode: indices[", j, "] = ", x, " is out of range [0, ", n, ")"));
+    }
+    if (j > 0 && x <= static_cast<int64_t>(indices[j - 1])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("IndexCodeEncode: indices must be strictly ascending, got indices[", j - 1,
+                       "] = ", static_cast<int64_t>(indices[j - 1]), " and indices[", j,
+                       "] = ", x));
+    }
+  }
+  return absl::OkStatus();
+}
+
+template <typename Index>
+void Encode(const Index* indices, int64_t k, const Layout& layout, uint8_t* code) {
+  std::memset(code, 0, layout.bytes);
+  const int low = static_cast<int>(layout.low_bits);
+  const uint64_t low_mask = (uint64_t{1} << low) - 1;
+  for (int64_t j = 0; j < k; ++j) {
+    const uint64_t bit = (static_cast<uint64_t>(indices[j]) >> low) + j;
+    code[bit >> 3] |= static_cast<uint8_t>(1u << (bit & 7));
+  }
+  if (low == 0) return;
+  BitWriter lows(code, layout.map_bits);  // after the map: it shares the map's last byte
+  for (int64_t j = 0; j < k; ++j) lows.Put(static_cast<uint64_t>(indices[j]) & low_mask, low);
+  lows.Flush();
+}
+
+template <typename Index>
+class IndexCodeEncodeOp : public OpKernel {
+ public:
+  explicit IndexCodeEncodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_elements", &n_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("low_bits", &low_bits_));
+    OP_REQUIRES_OK(ctx, CheckAttrs("IndexCodeEncode", n_, low_bits_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& indices = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "IndexCodeEncode: indices must be a vector, got shape ",
+                    indices.shape().DebugString())));
+    const int64_t k = indices.NumElements();
+    const Index* idx = indices.flat<Index>().data();
+    OP_REQUIRES_OK(ctx, CheckSorted(idx, k, n_));
+    const Layout layout = MakeLayout(n_, k, low_bits_);
+    Tensor* code = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({layout.bytes}), &code));
+    if (k) Encode(idx, k, layout, code->flat<uint8_t>().data());
+  }
+
+ private:
+  int64_t n_;
+  int64_t low_bits_;
+};
+
+// Positions of the map's ones and the low parts of one row, as indices; an error names the row.
+template <typename Index>
+absl::Status DecodeRow(const uint8_t* code, int64_t row, int64_t k, int64_t n,
+                       const Layout& layout, Index* out) {
+  const int low = static_cast<int>(layout.low_bits);
+  BitReader lows(code, layout.bytes, layout.map_bits);
+  int64_t j = 0;
+  for (int64_t base = 0; base < layout.map_bits && j < k; base += 64) {
+    const int64_t len = std::min<int64_t>(8, (layout.map_bits - base + 7) / 8);
+    uint64_t word = 0;
+    std::memcpy(&word, code + (base >> 3), len);
+    if (layout.map_bits - base < 64) word &= (uint64_t{1} << (layout.map_bits - base)) - 1;
+    for (; word && j < k; word &= word - 1, ++j) {
+      const int64_t high = base + __builtin_ctzll(word) - j;
+      const int64_t x = (high << low) | static_cast<int64_t>(low ? lows.Get(low) : 0);
+      if (x >= n) {
+        return absl::InvalidArgumentError(absl::StrCat("IndexCodeDecode: code row ", row,
+                                                       " decodes index ", j, " to ", x,
+                                                       ", out of range [0, ", n, ")"));
+      }
+      out[j] = static_cast<Index>(x);
+    }
+  }
+  if (j < k) {
+    return absl::InvalidArgumentError(absl::StrCat("IndexCodeDecode: code row ", row,
+                                                   " holds ", j, " indices, expected k = ", k));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Index>
+class IndexCodeDecodeOp : public OpKernel {
+ public:
+  explicit IndexCodeDecodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_elements", &n_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("k", &k_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("low_bits", &low_bits_));
+    OP_REQUIRES_OK(ctx, CheckAttrs("IndexCodeDecode", n_, low_bits_));
+    OP_REQUIRES(ctx, k_ >= 0 && k_ <= n_,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "IndexCodeDecode: k must be in [0, ", n_, "], got k = ", k_)));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& code = ctx->input(0);
+    const Layout layout = MakeLayout(n_, k_, low_bits_);
+    OP_REQUIRES(ctx, code.dims() >= 1 && code.dim_size(code.dims() - 1) == layout.bytes,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "IndexCodeDecode: code must have ", layout.bytes, " bytes on its last axis (k = ",
+                    k_, " of ", n_, " indices), got shape ", code.shape().DebugString())));
+    TensorShape shape = code.shape();
+    shape.set_dim(shape.dims() - 1, k_);
+    Tensor* indices = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &indices));
+    const int64_t rows = layout.bytes ? code.NumElements() / layout.bytes : 0;
+    if (rows == 0 || k_ == 0) return;
+    const uint8_t* in = code.flat<uint8_t>().data();
+    Index* out = indices->flat<Index>().data();
+    std::vector<absl::Status> status(rows);
+    const Chunks chunks{rows, std::min(rows, WorkerThreads(ctx))};
+    ForEachChunk(ctx, chunks.count, [&](int64_t c) {
+      for (int64_t r = chunks.Begin(c); r < chunks.End(c); ++r) {
+        status[r] = DecodeRow(in + r * layout.bytes, r, k_, n_, layout, out + r * k_);
+      }
+    });
+    for (const absl::Status& s : status) OP_REQUIRES_OK(ctx, s);
+  }
+
+ private:
+  int64_t n_;
+  int64_t k_;
+  int64_t low_bits_;
+};
+
+#define TFS_REGISTER_INDEX_CODE(Index)                                                      \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name("IndexCodeEncode").Device(DEVICE_CPU).TypeConstraint<Index>("Tindex"),           \
+      IndexCodeEncodeOp<Index>);                                                            \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name("IndexCodeDecode").Device(DEVICE_CPU).TypeConstraint<Index>("index_type"),       \
+      IndexCodeDecodeOp<Index>);
+
+TFS_REGISTER_INDEX_CODE(int32_t)
+TFS_REGISTER_INDEX_CODE(int64_t)
+
+#undef TFS_REGISTER_INDEX_CODE
+
+}  // namespace
+}  // namespace tfs_ops
+}  // namespace tensorflow
