@@ -83,12 +83,10 @@ def packing_rows(g: tf.Tensor, r: tf.Tensor, k: int, repeats: int) -> dict[str, 
     scatter = tf.function(lambda v, i: ops.scatter_sum(v, i, n), autograph=False)
     both = tf.concat([values, values], 0), tf.concat([idx, idx], 0)
     rows = {
-        "pack: encode_indices (kernel)": best_ms(lambda: encode(idx), repeats),
-        "pack: encode_indices (pure-TF reference)": best_ms(lambda: ref_encode(idx), repeats),
-        "pack: decode_indices, 2 replicas (kernel)": best_ms(lambda: decode(codes), repeats),
-        "pack: decode_indices, 2 replicas (pure-TF reference)": best_ms(
-            lambda: ref_decode(codes), repeats
-        ),
+        "pack: encode (kernel)": best_ms(lambda: encode(idx), repeats),
+        "pack: encode (TF reference)": best_ms(lambda: ref_encode(idx), repeats),
+        "pack: decode 2 replicas (kernel)": best_ms(lambda: decode(codes), repeats),
+        "pack: decode 2 replicas (TF ref.)": best_ms(lambda: ref_decode(codes), repeats),
         "ScatterSum of 2 replicas' entries": best_ms(lambda: scatter(*both), repeats),
     }
     for value_dtype in (None, "bfloat16"):
