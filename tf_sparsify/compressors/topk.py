@@ -18,7 +18,6 @@ from tf_sparsify.compressors.base import (
 )
 from tf_sparsify.compressors.dense import saturating_cast
 from tf_sparsify.ops.index_code import index_code_bytes
-from tf_sparsify.ops.reference import index_dtype
 
 VALUE_DTYPES = ("float16", "bfloat16")
 
@@ -107,7 +106,7 @@ class TopK(Compressor):
     def indices(self, code: tf.Tensor, ctx: Context) -> tf.Tensor:
         """The flat indices of a code (``[..., bytes]`` gives ``[..., k]``)."""
         n = ctx.num_elements
-        return ops.decode_indices(code, n, self.num_selected(n), index_dtype(n))
+        return ops.decode_indices(code, n, self.num_selected(n))
 
     def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
         values, code = payload

@@ -402,10 +402,11 @@ def encode_indices(indices: tf.Tensor, num_elements: int) -> tf.Tensor:
 
 
 def decode_indices(
-    code: tf.Tensor, num_elements: int, k: int, index_dtype: tf.DType = tf.int32
+    code: tf.Tensor, num_elements: int, k: int, index_dtype: tf.DType | None = None
 ) -> tf.Tensor:
     """Inverse of :func:`encode_indices` on the last axis: ``code[..., bytes]`` gives the
-    ``[..., k]`` indices in ``index_dtype`` (a gathered ``[replicas, bytes]`` stack, also with an
+    ``[..., k]`` indices in ``index_dtype`` (default as :func:`topk_error_feedback`'s: int32,
+    int64 from ``2**31`` elements on; a gathered ``[replicas, bytes]`` stack, also with an
     unknown number of rows, decodes row by row). The kernel fails on a row that is not a code of
     k indices below ``num_elements``; the pure-TF reference does not check."""
     code = tf.convert_to_tensor(code)

@@ -75,6 +75,14 @@ TFS_HD int64_t NumBuckets(int64_t n, int64_t bucket_size) {
   const int64_t b = EffectiveBucket(n, bucket_size);
   return n <= 0 ? 0 : n / b + (n % b != 0);
 }
+// Elias-Fano index code of k of n indices with low parts of low_bits bits: bits of its map
+// (bits [0, map) hold a one per index), and its bytes (the k low parts follow the map).
+TFS_HD int64_t IndexCodeMapBits(int64_t n, int64_t k, int64_t low_bits) {
+  return k == 0 ? 0 : ((n - 1) >> low_bits) + k;
+}
+TFS_HD int64_t IndexCodeBytes(int64_t n, int64_t k, int64_t low_bits) {
+  return (IndexCodeMapBits(n, k, low_bits) + k * low_bits + 7) / 8;
+}
 // Smallest power of two >= x, for 1 <= x <= 2^62 (x is a bucket length, at most n).
 TFS_HD int64_t Pow2Ceil(int64_t x) {
   int64_t p = 1;

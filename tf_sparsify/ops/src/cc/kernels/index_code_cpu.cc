@@ -20,6 +20,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "cpu_parallel.h"
+#include "tfs_common.h"
 
 namespace tensorflow {
 namespace tfs_ops {
@@ -35,9 +36,7 @@ struct Layout {
 };
 
 Layout MakeLayout(int64_t n, int64_t k, int64_t low_bits) {
-  if (k == 0) return {low_bits, 0, 0};
-  const int64_t map_bits = ((n - 1) >> low_bits) + k;
-  return {low_bits, map_bits, (map_bits + k * low_bits + 7) / 8};
+  return {low_bits, tfs::IndexCodeMapBits(n, k, low_bits), tfs::IndexCodeBytes(n, k, low_bits)};
 }
 
 absl::Status CheckAttrs(const char* op, int64_t n, int64_t low_bits) {

@@ -132,16 +132,6 @@ index occurs at most twice, while sums of three or more duplicates depend on the
 atomic additions.
 )doc");
 
-namespace {
-
-// Bytes of the Elias-Fano code of k of n indices with low parts of low_bits bits.
-int64_t IndexCodeBytes(int64_t n, int64_t k, int64_t low_bits) {
-  if (k == 0) return 0;
-  return (((n - 1) >> low_bits) + k + k * low_bits + 7) / 8;
-}
-
-}  // namespace
-
 REGISTER_OP("IndexCodeEncode")
     .Input("indices: Tindex")
     .Output("code: uint8")
@@ -155,7 +145,7 @@ REGISTER_OP("IndexCodeEncode")
       TF_RETURN_IF_ERROR(c->GetAttr("num_elements", &n));
       TF_RETURN_IF_ERROR(c->GetAttr("low_bits", &low_bits));
       DimensionHandle k = c->Dim(indices, 0);
-      c->set_output(0, c->ValueKnown(k) ? c->Vector(IndexCodeBytes(n, c->Value(k), low_bits))
+      c->set_output(0, c->ValueKnown(k) ? c->Vector(tfs::IndexCodeBytes(n, c->Value(k), low_bits))
                                         : c->Vector(InferenceContext::kUnknownDim));
       return absl::OkStatus();
     })
