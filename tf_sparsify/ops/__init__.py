@@ -1,5 +1,5 @@
-"""Custom ops: fused TopK with error feedback, QSGD quantization, a dense scatter-sum and the
-Elias-Fano code of TopK's indices.
+"""Custom ops: fused TopK with error feedback, QSGD quantization, a dense scatter-sum, the
+Elias-Fano code of TopK's indices and a plain SGD step from sparse updates.
 
 Each function runs the compiled kernels (built by ``python -m tf_sparsify.ops.build``, loaded by
 :mod:`tf_sparsify.ops.library`) when they load, and otherwise the pure-TF reference in
@@ -44,6 +44,7 @@ __all__ = [
     "qsgd_dequantize",
     "qsgd_quantize",
     "scatter_sum",
+    "sparse_sgd_apply",
     "topk_error_feedback",
 ]
 
@@ -427,3 +428,56 @@ def decode_indices(
     return ops.index_code_decode(
         code, num_elements=n, k=k_int, low_bits=low, index_type=index_dtype
     )
+
+
+def _scalar(value: float | tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """``value`` in ``dtype``; a Python number is rounded once, to ``dtype`` (``tf.cast`` would
+    round it to float32 first)."""
+    if isinstance(value, (int, float, np.number)):
+        return tf.constant(value, dtype)
+    return tf.cast(value, dtype)
+
+
+def sparse_sgd_apply(
+    variable: Any,
+    values: tf.Tensor,
+    indices: tf.Tensor,
+    scale: float | tf.Tensor,
+    learning_rate: float | tf.Tensor,
+) -> None:
+    """Plain SGD steps from gathered sparse updates, in place: row after row,
+    ``variable.flat[indices[r, j]] -= (values[r, j] * scale) * learning_rate``.
+
+    ``variable``: a resource variable (``tf.Variable`` or a Keras variable) of a float dtype;
+    ``values``: ``[rows, k]`` in its dtype; ``indices``: ``[rows, k]`` int32/int64 flat indices,
+    each row strictly ascending; ``scale`` and ``learning_rate``: scalars (cast to the
+    variable's dtype). With one row, or rows sharing no index, the result is bit-identical to
+    ``variable.assign_sub((scatter_sum(values, indices) * scale) * learning_rate)``, without
+    building that dense tensor. The CPU kernel fails on an index out of range or out of order
+    before the variable changes; the pure-TF reference leaves the checks to TensorFlow's
+    scatter. CPU kernel only.
+    """
+    handle = getattr(variable, "handle", None)
+    if handle is None or handle.dtype != tf.resource:
+        raise _invalid(f"variable must be a resource variable, got {variable!r}")
+    dtype = tf.as_dtype(variable.dtype)
+    _check_float("variable", dtype)
+    values = tf.convert_to_tensor(values)
+    indices = tf.convert_to_tensor(indices)
+    if values.dtype != dtype:
+        raise _invalid(
+            f"values must have the variable's dtype {dtype.name}, got {values.dtype.name}"
+        )
+    if indices.dtype not in INDEX_DTYPES:
+        raise _invalid(f"indices must be int32 or int64, got {indices.dtype.name}")
+    if values.shape.rank not in (None, 2) or not values.shape.is_compatible_with(indices.shape):
+        raise _invalid(
+            f"values and indices must be [rows, k] of one shape, got {values.shape} and "
+            f"{indices.shape}"
+        )
+    scale, learning_rate = _scalar(scale, dtype), _scalar(learning_rate, dtype)
+    ops = _compiled()
+    if ops is None:
+        reference.sparse_sgd_apply(variable, values, indices, scale, learning_rate)
+        return
+    ops.sparse_sgd_apply(handle, values, indices, scale, learning_rate)

@@ -40,6 +40,7 @@ CPU_SOURCES = (
     "cc/kernels/qsgd_cpu.cc",
     "cc/kernels/scatter_sum_cpu.cc",
     "cc/kernels/index_code_cpu.cc",
+    "cc/kernels/sparse_sgd_cpu.cc",
 )
 GPU_HOST_SOURCES = ("cc/kernels/gpu_kernels.cc",)
 CUDA_SOURCES = ("cuda/topk.cu", "cuda/qsgd.cu", "cuda/scatter_sum.cu")

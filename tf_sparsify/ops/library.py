@@ -29,6 +29,7 @@ OP_NAMES = (
     "ScatterSum",
     "IndexCodeEncode",
     "IndexCodeDecode",
+    "SparseSgdApply",
 )
 #: every op but ScatterSum, whose gradient :func:`load` registers
 NOT_DIFFERENTIABLE = tuple(name for name in OP_NAMES if name != "ScatterSum")

@@ -258,3 +258,24 @@ def qsgd_dequantize(
     top = OUTPUT_MAX[tf.as_dtype(dtype)]
     clamped = tf.where(scaled > top, top, tf.where(scaled < -top, -top, scaled))
     return tf.cast(tf.reshape(tf.reshape(clamped, [-1])[:n], shape), dtype)
+
+
+def sparse_sgd_apply(
+    variable: tf.Variable,
+    values: tf.Tensor,
+    indices: tf.Tensor,
+    scale: tf.Tensor,
+    learning_rate: tf.Tensor,
+) -> None:
+    """SparseSgdApply's steps: row after row, ``flat[indices[r]] -= (values[r] * scale) *
+    learning_rate`` (indices are checked only by TensorFlow's scatter)."""
+
+    def row_step(flat: tf.Tensor, row: tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
+        row_values, row_indices = row
+        return tf.tensor_scatter_nd_sub(
+            flat, row_indices[:, None], (row_values * scale) * learning_rate
+        )
+
+    flat = tf.reshape(tf.convert_to_tensor(variable), [-1])
+    flat = tf.foldl(row_step, (values, indices), initializer=flat)
+    variable.assign(tf.reshape(flat, variable.shape))

@@ -180,4 +180,32 @@ each row (rows decode in parallel). A row whose map holds fewer than k ones, or 
 an index >= num_elements, fails with InvalidArgument naming the row.
 )doc");
 
+REGISTER_OP("SparseSgdApply")
+    .Input("var: resource")
+    .Input("values: T")
+    .Input("indices: Tindex")
+    .Input("scale: T")
+    .Input("learning_rate: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("Tindex: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle values;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &values));
+      TF_RETURN_IF_ERROR(c->Merge(values, c->input(2), &values));
+      ShapeHandle scalar;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &scalar));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 0, &scalar));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Plain SGD steps with sparse, gathered updates, in place: row after row, for each entry
+var[indices[r, j]] -= (values[r, j] * scale) * learning_rate in T's arithmetic; other entries
+are untouched. values and indices are [rows, k]; each row of indices is strictly ascending, in
+[0, size of var). With one row, or rows that share no index, the result is bit-identical to
+subtracting (ScatterSum(values, indices) * scale) * learning_rate densely. Like
+AssignSubVariableOp, the variable's buffer is copied first when a read still holds it. Bad
+indices fail with InvalidArgument before var changes.
+)doc");
+
 }  // namespace tensorflow
