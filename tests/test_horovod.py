@@ -161,6 +161,11 @@ def test_tape_with_momentum_correction_equals_the_optimizer(exact):
     _passed(exact, "tape_momentum_equals_optimizer")
 
 
+def test_topk_applied_in_place_equals_the_dense_path(exact):
+    """Plain SGD inside: TopK updates go into the variables from the gathered entries."""
+    _passed(exact, "sparse_sgd_equals_dense")
+
+
 def test_identity_equals_plain_horovod_averaging(exact):
     for record in _passed(exact, "identity_equals_horovod_average").values():
         assert record["max_abs_diff"] <= 1e-6

@@ -117,11 +117,28 @@ class Message:
     protocol: Protocol | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseUpdate:
+    """An update that is zero except at some entries: ``scale`` times the sum over rows of
+    ``values`` at the flat ``indices`` (both ``[replicas, k]``, each row strictly ascending).
+
+    ``step(..., sparse_updates=True)`` gives these for units of one variable whose compressor
+    :attr:`~tf_sparsify.compressors.base.Compressor.sends_entries`, so that a plain SGD step
+    applies them in place (:func:`tf_sparsify.ops.sparse_sgd_apply`) without building the
+    dense update.
+    """
+
+    values: tf.Tensor
+    indices: tf.Tensor
+    #: ``1 / divisor`` (the average over replicas)
+    scale: float
+
+
 @dataclasses.dataclass
 class StepResult:
     """What one pipeline step produced; lists are aligned with the input gradients."""
 
-    updates: list[tf.Tensor | None]
+    updates: list[tf.Tensor | SparseUpdate | None]
     residuals: list[tf.Tensor | None]
     finite: tf.Tensor
     #: new momentum buffers (aligned like ``residuals``) when momentum correction is on.
@@ -284,6 +301,7 @@ class GradientPipeline:
         measure: tf.Tensor | bool | None = None,
         per_replica: bool = False,
         states: Sequence[tuple[tf.Tensor, ...]] | None = None,
+        sparse_updates: bool = False,
     ) -> StepResult:
         """Exchange ``grads`` (aligned with the planned variables) and return the updates.
 
@@ -296,7 +314,8 @@ class GradientPipeline:
         ``collective.num_replicas`` holding every replica's decompressed contribution (divided
         by ``divisor``); their sum is the usual update (for delayed updates and IAG).
         ``states``: each planned unit's compressor state (``Compressor.state_specs``); the new
-        ones are in ``StepResult.states``.
+        ones are in ``StepResult.states``. ``sparse_updates``: a unit of one variable whose
+        compressor sends entries gets a :class:`SparseUpdate` instead of a dense update.
         """
         if self.momentum_correction > 0 and momenta is None:
             raise ValueError("Momentum correction is on: `momenta` must be given to step().")
@@ -308,7 +327,15 @@ class GradientPipeline:
             if sent is not None:
                 state = () if states is None else tuple(states[index])
                 message = self.compress(
-                    sent, grads, residuals, momenta, step, replicas, state, per_replica
+                    sent,
+                    grads,
+                    residuals,
+                    momenta,
+                    step,
+                    replicas,
+                    state,
+                    per_replica,
+                    sparse_updates,
                 )
                 buckets.setdefault(unit.bucket, []).append(message)
         finite = []
@@ -346,9 +373,12 @@ class GradientPipeline:
         replicas: Replicas,
         state: tuple[tf.Tensor, ...] = (),
         per_replica: bool = False,
+        sparse_update: bool = False,
     ) -> Message:
         """Momentum correction, compensation with the residual and compression of one unit;
-        the message carries the protocol its payloads travel by."""
+        the message carries the protocol its payloads travel by (ending in a
+        :class:`SparseUpdate` with ``sparse_update`` when the unit is one variable whose
+        compressor sends entries)."""
         compressor = unit.compressor
         g = _join([grads[i] for i in unit.indices])
         x, e, remainder = g, None, None
@@ -381,7 +411,10 @@ class GradientPipeline:
             ok = tf.reduce_all(tf.stack([_all_finite(t) for t in kept]))
             payload = _mark(payload, ok)
         message = Message(unit, g, x, e, payload, ctx, remainder, new_momentum)
-        message.protocol = _one_round(message, replicas, per_replica)
+        if sparse_update and not per_replica and _sends_entries(unit):
+            message.protocol = _entries_round(message, replicas)
+        else:
+            message.protocol = _one_round(message, replicas, per_replica)
         return message
 
     def exchange(self, bucket: list[Message], collective: Collective) -> tf.Tensor:
@@ -569,6 +602,18 @@ def _one_round(m: Message, replicas: Replicas, per_replica: bool) -> Protocol:
     else:
         total = compressor.decompress_sum(received, m.ctx, replicas.count)
     return Outcome(scaled(total, replicas.divisor), shared=received)
+
+
+def _sends_entries(unit: Unit) -> bool:
+    return unit.compressor.sends_entries and len(unit.shapes) == 1
+
+
+def _entries_round(m: Message, replicas: Replicas) -> Protocol:
+    """The single-round protocol of a compressor that sends entries, ending in a
+    :class:`SparseUpdate` of the gathered entries."""
+    received = yield Transfer(GATHER, m.payload)
+    values, indices = m.unit.compressor.gathered_entries(received, m.ctx)
+    return Outcome(SparseUpdate(values, indices, 1.0 / replicas.divisor), shared=received)
 
 
 def _transfer(

@@ -43,6 +43,9 @@ class ExchangeState:
             and :meth:`run` takes gradients stacked as ``[P, *shape]``.
     """
 
+    #: :meth:`run` can return :class:`~tf_sparsify.pipeline.SparseUpdate` updates
+    gives_sparse_updates = True
+
     def __init__(
         self,
         pipeline: GradientPipeline,
@@ -150,12 +153,14 @@ class ExchangeState:
         collective: Collective,
         per_replica: bool = False,
         finish: Callable[[StepResult], StepResult] | None = None,
+        sparse_updates: bool = False,
     ) -> StepResult:
         """One step: exchange ``grads`` (build order), then update the state.
 
         ``per_replica``: every replica's (or simulated worker's) contribution is returned
         along a leading axis (for delayed updates and IAG). ``finish``: what a front end does
         with the step's result before the state is written (its updates and ``finite`` count).
+        ``sparse_updates``: see :meth:`GradientPipeline.step` (not for simulated workers).
         """
         grads = list(grads)
         record = None
@@ -172,6 +177,7 @@ class ExchangeState:
                 measure=record,
                 per_replica=per_replica,
                 states=[_values(list(s)) for s in self.states],
+                sparse_updates=sparse_updates,
             )
         else:
             result = self._run_workers(grads, record)

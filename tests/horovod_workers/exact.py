@@ -1,5 +1,6 @@
 """Exact checks under ``horovodrun -np 2``: updates against a hand computation, bytes, Identity
-against plain Horovod averaging, the Horovod ``compression=`` classes and the callbacks.
+against plain Horovod averaging, TopK applied in place against the dense path, the Horovod
+``compression=`` classes and the callbacks.
 
 Every rank knows every rank's gradients (they are seeded by rank and step), so each rank
 computes the expected averaged update itself with the compressors called directly.
@@ -17,6 +18,7 @@ from common import Checks, assert_close, hvd
 import tf_sparsify as tfs
 import tf_sparsify.horovod as th
 from tests.powersgd_reference import numpy_powersgd
+from tf_sparsify.keras import sparse_sgd
 
 SIZE, RANK = hvd.size(), hvd.rank()
 SHAPES = [(6, 5), (5,), (5, 3), (3,)]
@@ -105,6 +107,16 @@ def reference(compressor, options: dict) -> tuple[list[list[np.ndarray]], list[n
     return updates, [np.reshape(np.asarray(r), s) for r, s in zip(mine, SHAPES, strict=True)]
 
 
+def train_step(opt, variables: list):
+    """``opt.apply`` on ``variables`` in a tf.function, like model.fit's train step."""
+
+    @tf.function
+    def apply(grads):
+        opt.apply(grads, variables)
+
+    return apply
+
+
 def check_config(name: str) -> dict:
     make, options = CONFIGS[name]
     expected, expected_residuals = reference(make(), options)
@@ -114,9 +126,7 @@ def check_config(name: str) -> dict:
     variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
     opt = th.DistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0), make(), **options)
 
-    @tf.function
-    def apply(grads):
-        opt.apply(grads, variables)
+    apply = train_step(opt, variables)
 
     # Custom-loop exchange, eagerly.
     exchange = th.GradientExchange(make(), **options)
@@ -165,9 +175,7 @@ def check_powersgd() -> dict:
     opt = th.DistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0), tfs.PowerSGD(2))
     exchange = th.GradientExchange(tfs.PowerSGD(2))
 
-    @tf.function
-    def apply(grads):
-        opt.apply(grads, variables)
+    apply = train_step(opt, variables)
 
     for step in range(STEPS):
         before = [v.numpy() for v in variables]
@@ -219,9 +227,7 @@ def check_tape_momentum_equals_optimizer() -> dict:
     opt = th.DistributedOptimizer(keras.optimizers.SGD(1.0), tfs.TopK(k=3), **options)
     exchange = th.GradientExchange(tfs.TopK(k=3), **options)
 
-    @tf.function
-    def apply(grads):
-        opt.apply(grads, variables)
+    apply = train_step(opt, variables)
 
     for step in range(4):
         before = [v.numpy() for v in variables]
@@ -240,6 +246,45 @@ def check_tape_momentum_equals_optimizer() -> dict:
     if not any(m is not None and np.any(m.numpy()) for m in exchange.momenta):
         raise AssertionError("the momentum buffers stayed zero")
     return {}
+
+
+def check_sparse_sgd_equals_dense() -> dict:
+    """With a plain SGD inner optimizer, TopK updates are applied in place from the gathered
+    entries (no dense update is built): same variables as the dense path, step by step, within
+    the rounding of ranks that sent the same index; biases (dense units) and a learning-rate
+    schedule in the same steps."""
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.5, 1, 0.5)
+    runs = {}
+    for in_place in (True, False):
+        variables = [keras.Variable(np.ones(s, "float32")) for s in SHAPES]
+        opt = th.DistributedOptimizer(keras.optimizers.SGD(schedule), tfs.TopK(k=3), min_size=6)
+        opt.build(variables)
+        if in_place and not sparse_sgd.applies_in_place(opt.inner_optimizer, variables):
+            raise AssertionError("plain SGD under Horovod does not take the in-place path")
+        original = sparse_sgd.applies_in_place
+        if not in_place:
+            sparse_sgd.applies_in_place = lambda *args: False
+
+        apply = train_step(opt, variables)
+        try:
+            history = []
+            for step in range(3):
+                apply(grads_of(RANK, step))
+                history.append([v.numpy() for v in variables])
+        finally:
+            sparse_sgd.applies_in_place = original
+        runs[in_place] = (history, int(opt.iterations.numpy()))
+    (sparse, sparse_steps), (dense, dense_steps) = runs[True], runs[False]
+    if (sparse_steps, dense_steps) != (3, 3):
+        raise AssertionError(f"iterations {sparse_steps} in place, {dense_steps} dense; want 3")
+    diff = 0.0
+    for step in range(3):
+        for i in range(len(SHAPES)):
+            got = assert_close(sparse[step][i], dense[step][i], f"var {i} step {step}", 1e-6, 0)
+            diff = max(diff, got)
+        if np.array_equal(sparse[step][0], sparse[step - 1][0] if step else np.ones(SHAPES[0])):
+            raise AssertionError(f"step {step} did not change the TopK variable")
+    return {"max_abs_diff": diff}
 
 
 # -- Identity against plain Horovod averaging ----------------------------------------------------
@@ -441,6 +486,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checks.run("exchange_checkpoint", lambda: check_exchange_checkpoint(tmp))
     checks.run("tape_momentum_equals_optimizer", check_tape_momentum_equals_optimizer)
+    checks.run("sparse_sgd_equals_dense", check_sparse_sgd_equals_dense)
     checks.run("identity_equals_horovod_average", check_identity_equals_horovod)
     checks.run("compression_classes", check_compression_classes)
     checks.run("callbacks", check_callbacks)

@@ -79,6 +79,9 @@ class Compressor:
     #: bounded without a contraction (see :func:`check_contraction`); off for every compressor
     #: that only the generic contraction argument covers
     error_feedback_by_design: ClassVar[bool] = False
+    #: a payload is a set of (flat index, value) entries, each index once: gathered payloads
+    #: give them as :meth:`gathered_entries` (so a plain SGD step can apply them in place)
+    sends_entries: ClassVar[bool] = False
     _unkeyed_steps: tf.Variable | None = None
 
     def __init_subclass__(cls, **kwargs: Any):
@@ -131,6 +134,12 @@ class Compressor:
             part = self.decompress(tuple(t[r] for t in gathered), ctx)
             total = part if total is None else total + part
         return total
+
+    def gathered_entries(self, gathered: Payload, ctx: Context) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(values, indices)``, both ``[replicas, k]``, of payloads gathered as for
+        :meth:`decompress_sum` (``sends_entries`` compressors): values in ``ctx.dtype``, each
+        row's flat indices strictly ascending; their scatter-sum is the decompressed sum."""
+        raise NotImplementedError(f"{type(self).__name__} does not send entries")
 
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         """Exact bytes of the payload for a tensor of ``num_elements`` entries of ``dtype``."""

@@ -41,6 +41,7 @@ class TopK(Compressor):
     unbiased = False
     summable = False
     reveals_non_finite = True  # NaN and Inf rank above every finite value: they are sent
+    sends_entries = True
 
     def __init__(
         self,
@@ -113,9 +114,12 @@ class TopK(Compressor):
         return _scatter(tf.cast(values, ctx.dtype), self.indices(code, ctx), ctx)
 
     def decompress_sum(self, gathered: Payload, ctx: Context, num_replicas: int) -> tf.Tensor:
+        values, indices = self.gathered_entries(gathered, ctx)
+        return _scatter(tf.reshape(values, [-1]), tf.reshape(indices, [-1]), ctx)
+
+    def gathered_entries(self, gathered: Payload, ctx: Context) -> tuple[tf.Tensor, tf.Tensor]:
         values, codes = gathered
-        indices = tf.reshape(self.indices(codes, ctx), [-1])
-        return _scatter(tf.cast(tf.reshape(values, [-1]), ctx.dtype), indices, ctx)
+        return tf.cast(values, ctx.dtype), self.indices(codes, ctx)
 
     def get_config(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "k": self.k, "value_dtype": self.value_dtype}

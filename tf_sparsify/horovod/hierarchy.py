@@ -244,10 +244,12 @@ class HierarchicalState(ExchangeState):
     momenta and compressor state per :class:`Shard` (so ``min_size`` and ``wire_bytes`` are
     per shard); :meth:`run` takes the full gradients and returns the full updates.
 
-    ``local_clipnorm`` is rejected (it clips each rank's own gradients, which this exchange
-    sums inside the node before anything is compressed), and so are shape-aware compressors
-    (PowerSGD factors matrices; the shards are flat).
+    Its updates are gathered dense. ``local_clipnorm`` is rejected (it clips each rank's own
+    gradients, which this exchange sums inside the node before anything is compressed), and so
+    are shape-aware compressors (PowerSGD factors matrices; the shards are flat).
     """
+
+    gives_sparse_updates = False
 
     def __init__(
         self,
@@ -283,11 +285,12 @@ class HierarchicalState(ExchangeState):
         collective: HierarchicalCollective,
         per_replica: bool = False,
         finish: Callable[[StepResult], StepResult] | None = None,
+        sparse_updates: bool = False,
     ) -> StepResult:
         """One step on the full ``grads`` (build order): node sums, the state core on this
         rank's shards, and the full updates gathered inside the node."""
-        if per_replica or finish is not None:
-            raise ValueError("The hierarchical exchange returns the averaged update only.")
+        if per_replica or finish is not None or sparse_updates:
+            raise ValueError("The hierarchical exchange returns the dense averaged update only.")
         buckets = _buckets(self.units)
         shards = _scatter(collective.node, list(grads), buckets, self.shards, self.ranks_per_node)
 

@@ -10,8 +10,8 @@ import tensorflow as tf
 
 from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
-from tf_sparsify.keras import compat
-from tf_sparsify.pipeline import GradientPipeline, StepResult
+from tf_sparsify.keras import compat, sparse_sgd
+from tf_sparsify.pipeline import GradientPipeline, SparseUpdate, StepResult
 from tf_sparsify.state import ExchangeState, StateViews
 
 _BASE_OPTIONS = (
@@ -80,6 +80,11 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         diagnostics_every: every this many steps, record the norm gap, residual norm and
             density of the step in ``diagnostics`` (0 = off; the
             :class:`~tf_sparsify.keras.CompressionDiagnostics` callback turns it on itself).
+
+    With a plain ``keras.optimizers.SGD`` inside (no momentum, weight decay, clipping, EMA, loss
+    scale factor or accumulation), outside ``tf.distribute`` strategies and without a GPU, the
+    updates of TopK-compressed variables go into the variables in place from the gathered
+    entries (:mod:`tf_sparsify.keras.sparse_sgd`): the dense update is never built.
 
     Residuals are optimizer variables (checkpointed, saved in ``.keras`` files). Under a
     ``tf.distribute`` strategy each replica keeps its own residual (sync-on-read, summed when
@@ -290,8 +295,12 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         if scale is not None:
             updates = [None if u is None else _times(u, scale) for u in updates]
         pairs = [(u, v) for u, v in zip(updates, built_for, strict=True) if u is not None]
-        if pairs:
-            self.inner_optimizer.apply([u for u, _ in pairs], [v for _, v in pairs])
+        dense = [(u, v) for u, v in pairs if not isinstance(u, SparseUpdate)]
+        sparse = [(u, v) for u, v in pairs if isinstance(u, SparseUpdate)]
+        if sparse:
+            sparse_sgd.apply(self.inner_optimizer, sparse, count_step=not dense)
+        if dense:
+            self.inner_optimizer.apply([u for u, _ in dense], [v for _, v in dense])
 
     def update_step(self, gradient, variable, learning_rate):
         raise NotImplementedError(
@@ -308,8 +317,13 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
 
     def exchange(self, grads: list, collective: Collective) -> StepResult:
         """One step of the state core on gradients in build order (residuals, momenta,
-        counters and diagnostics are updated)."""
-        return self._state.run(grads, collective)
+        counters and diagnostics are updated). Updates of TopK-compressed variables come as
+        :class:`~tf_sparsify.pipeline.SparseUpdate` when the inner optimizer is plain SGD
+        (:func:`~tf_sparsify.keras.sparse_sgd.applies_in_place`)."""
+        sparse = self._state.gives_sparse_updates and sparse_sgd.applies_in_place(
+            self.inner_optimizer, compat.trainable_variables(self)
+        )
+        return self._state.run(grads, collective, sparse_updates=sparse)
 
     def _in_build_order(self, grads: list, variables: list | None) -> list:
         count = len(compat.trainable_variables(self))
