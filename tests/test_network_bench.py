@@ -71,7 +71,8 @@ def test_a_row_per_backend_and_compressor(quick):
             assert row["best_ms"] > 0 and row["median_ms"] >= row["best_ms"]
             assert len(row["windows_ms"]) == settings["rounds"]
             steps = settings["warmup"] + settings["rounds"] * settings["window"]
-            assert row["steps"] == (0 if name == "compute" else steps)  # compute exchanges nothing
+            local = name in ("compute", "compute_sync")  # exchange nothing
+            assert row["steps"] == (0 if local else steps)
             assert row["x_dense"] > 0 and row["x_fp16"] > 0
         assert rows[(backend, "identity")]["x_dense"] == 1.0
         assert rows[(backend, "fp16")]["x_fp16"] == 1.0
@@ -109,7 +110,8 @@ def test_progress_and_tables(quick):
         assert f"### {backend}, tiny, 2 ranks" in markdown
     for name, label in COMPRESSORS.items():
         assert markdown.count(f"| {label} |") == sum(name in n for n in NAMES.values())
-    assert "- horovod, tiny: unlimited: " in markdown  # the overlap line
+    for probe in ("compute", "compute_sync"):  # the overlap lines
+        assert f"- horovod, tiny, {probe}: unlimited: " in markdown
     assert "unlimited ×dense" in markdown and "best of" in markdown
 
 

@@ -25,10 +25,11 @@ COMPRESSORS = {
     "qsgd4": "QSGD s=4 (one bucket per tensor)",
     # overlap probes (Horovod): the two halves of a TopK 1% step, each alone
     "compute": "compute only (local SGD, no exchange)",
+    "compute_sync": "compute + lockstep (local SGD, a 1-float all-reduce per step)",
     "exchange_topk1": "TopK 1% exchange only",
 }
 #: names in COMPRESSORS that are probes, not compressors
-PROBES = ("compute", "exchange_topk1")
+PROBES = ("compute", "compute_sync", "exchange_topk1")
 MODELS = ("mlp10m", "mobilenetv2", "tiny")
 
 

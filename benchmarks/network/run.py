@@ -38,7 +38,7 @@ BACKENDS = ("horovod", "mwms")
 DEFAULTS = {
     "throughput": {
         "rates": "1gbit,10gbit,unlimited",
-        "compressors": "identity,fp16,topk1,topk0.1,qsgd4,compute,exchange_topk1",
+        "compressors": "identity,fp16,topk1,topk0.1,qsgd4,compute,compute_sync,exchange_topk1",
         "out": "outputs/network_bench",
     },
     "accuracy": {

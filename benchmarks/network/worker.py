@@ -10,8 +10,10 @@ compressor at the end to ``--results``.
 - horovod: ``tf_sparsify.horovod.DistributedOptimizer`` compiled into the model
   (``jit_compile=False``); a step is ``model.train_on_batch`` (Keras' compiled train function).
 - horovod probes (for the overlap check: a TopK 1% step against the larger of its halves):
-  ``compute`` trains with a local Keras SGD and no exchange at all; ``exchange_topk1`` only
-  moves payloads of TopK 1%'s shapes through the same collective (one all-gather per bucket).
+  ``compute`` trains with a local Keras SGD and no exchange at all; ``compute_sync`` does the
+  same and then all-reduces one float, so its ranks run in lockstep as every synchronous step
+  does (each waits for the slower one); ``exchange_topk1`` only moves payloads of TopK 1%'s
+  shapes through the same collective (one all-gather per bucket).
 - mwms: a custom loop (``strategy.run`` + ``apply_gradients``) around
   ``tf_sparsify.SparsifiedOptimizer``; Keras 3's ``model.fit`` does not run under this strategy.
 """
@@ -73,13 +75,17 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]
             optimizer.build(model.trainable_variables)
             trainers.append(Trainer(name, exchange_only(optimizer), optimizer))
             continue
-        if name == "compute":  # trains locally; the unused exchange optimizer only counts 0
+        local = name in ("compute", "compute_sync")
+        if local:  # trains locally; the unused exchange optimizer only counts 0
             optimizer.build(model.trainable_variables)
-        inner = keras.optimizers.SGD(args.lr) if name == "compute" else optimizer
+        inner = keras.optimizers.SGD(args.lr) if local else optimizer
         model.compile(inner, loss_fn(), jit_compile=False)  # Horovod's ops are not XLA ops
 
-        def step(model: keras.Model = model) -> float:
-            return float(model.train_on_batch(x, y))
+        def step(model: keras.Model = model, sync: bool = name == "compute_sync") -> float:
+            loss = float(model.train_on_batch(x, y))
+            if sync:
+                hvd.allreduce(tf.zeros([]), name="lockstep")
+            return loss
 
         trainers.append(Trainer(name, step, optimizer))
     return hvd.rank(), hvd.size(), trainers
