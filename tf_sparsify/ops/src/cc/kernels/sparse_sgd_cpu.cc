@@ -12,6 +12,7 @@
 // exclusive lock its buffer is copied first when a read still holds it (or the variable is in
 // copy-on-read mode), as AssignSubVariableOp does.
 #include <algorithm>
+#include <cstring>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
