@@ -97,10 +97,14 @@ class CudaCore:
         return ctypes.c_void_p(self.stream.cuda_stream)
 
     def empty(self, count: int, dtype):
-        """``count`` elements followed by GUARD bytes of 0xA5, registered for check_guards."""
+        """``count`` elements followed by GUARD bytes of 0xA5, registered for check_guards.
+
+        Allocated and filled on self.stream, which the core's calls use: PyTorch's streams do
+        not wait for the default stream, so a fill queued there could land after the call."""
         torch = self.torch
         size = torch.empty(0, dtype=dtype).element_size()
-        raw = torch.full((count * size + self.GUARD,), 0xA5, dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(self.stream):
+            raw = torch.full((count * size + self.GUARD,), 0xA5, dtype=torch.uint8, device="cuda")
         self._guarded.append((raw, count * size))
         return raw[: count * size].view(dtype)
 
@@ -130,11 +134,13 @@ class CudaCore:
         buf = self.empty(size.value + offset, self.torch.uint8)
         return buf[offset:], size
 
-    def topk_device(self, g, r, out, k: int, kind: str, index_bytes: int, ws=None):
-        """Queues the op on self.stream; returns (values, indices) tensors."""
+    def topk_device(self, g, r, out, k: int, kind: str, index_bytes: int, ws=None, outputs=None):
+        """Queues the op on self.stream; returns (values, indices) tensors (``outputs`` when
+        given, else new guarded ones)."""
         n = g.numel()
-        values = self.empty(k, g.dtype)
-        indices = self.empty(k, self.ints[index_bytes])
+        if outputs is None:
+            outputs = self.empty(k, g.dtype), self.empty(k, self.ints[index_bytes])
+        values, indices = outputs
         if ws is None:
             ws = self.workspace(
                 lambda s: self.lib.tfs_topk_workspace_bytes(CODES[kind], n, k, s), "workspace"
@@ -419,6 +425,21 @@ def same_bits(got: np.ndarray, want: np.ndarray, kind: str) -> bool:
     return np.array_equal(nan_got, nan_want) and np.array_equal(got[~nan_got], want[~nan_want])
 
 
+def first_difference(what: str, got: np.ndarray, want: np.ndarray, kind: str | None) -> str:
+    """ "" when equal, else the first differing entry and how many differ. ``kind``: compare as
+    bit patterns of that kind where any NaN matches any NaN; None: exactly."""
+    if got.shape != want.shape:
+        return f"{what}: shape {got.shape} != {want.shape}"
+    differ = got != want
+    if kind is not None:
+        differ &= ~(np.isnan(npref.to_f32(got, kind)) & np.isnan(npref.to_f32(want, kind)))
+    if not differ.any():
+        return ""
+    i = int(np.flatnonzero(differ)[0])
+    show = hex if got.dtype.kind == "u" else int
+    return f"{what}[{i}] = {show(got[i])} != {show(want[i])} ({int(differ.sum())} differ)"
+
+
 def check_scatter(core, rng: np.random.Generator, kind: str, small: bool) -> list[str]:
     failures = []
     for count, (name, x, idx, n) in enumerate(scatter_cases(rng, kind, small)):
@@ -436,11 +457,11 @@ def check_scatter(core, rng: np.random.Generator, kind: str, small: bool) -> lis
     return failures
 
 
-def run_correctness(core, small: bool) -> list[str]:
+def run_correctness(core, small: bool, kinds: list[str]) -> list[str]:
     """Every case against the NumPy model (the ops' CPU semantics); returns the failures."""
     failures: list[str] = []
-    rng = np.random.default_rng(2024)
-    for kind in npref.KINDS:
+    for kind in kinds:
+        rng = np.random.default_rng([2024, npref.KINDS.index(kind)])
         count = 0
         for name, g, r, k in topk_cases(rng, kind, small):
             ev, ei, er = npref.topk_error_feedback(g, r, k, kind)
@@ -459,12 +480,19 @@ def run_correctness(core, small: bool) -> list[str]:
             core.misaligned = count % 2 == 1
             eq, en = npref.qsgd_quantize(x, kind, levels, bucket, seed)
             q, norms, guards = core.quantize(x, kind, levels, bucket, seed)
-            ok = np.array_equal(q, eq) and np.array_equal(norms.view(np.uint32), en.view(np.uint32))
             out, guards2 = core.dequantize(eq, en, levels, bucket, kind)
-            ok &= np.array_equal(out, npref.qsgd_dequantize(eq, en, levels, bucket, kind))
+            want = npref.qsgd_dequantize(eq, en, levels, bucket, kind)
+            # A NaN norm (a bucket with a NaN, or Inf beside Inf) and the NaNs it decodes to
+            # match any NaN: the GPU's float64 and float32 arithmetic returns its own NaN.
+            wrong = [
+                first_difference("levels", q, eq, None),
+                first_difference("norms", norms.view(np.uint32), en.view(np.uint32), "float32"),
+                first_difference("decoded", out, want, kind),
+                "" if guards and guards2 else "GUARD BYTES OVERWRITTEN",
+            ]
             count += 1
-            if not (ok and guards and guards2):
-                failures.append(f"qsgd {kind} {name}{'' if guards else ' GUARD BYTES'}")
+            if any(wrong):
+                failures.append(f"qsgd {kind} {name}: " + "; ".join(w for w in wrong if w))
         core.misaligned = False
         failures += check_scatter(core, rng, kind, small)
         print(f"  {kind}: {count} cases + scatter", flush=True)
@@ -482,11 +510,15 @@ def run_device_checks(core: CudaCore, big_n: int) -> list[str]:
     g, r = core.to_device(g_bits, "float32"), core.to_device(r_bits, "float32")
     ws = core.workspace(lambda s: core.lib.tfs_topk_workspace_bytes(2, n, k, s), "workspace")
     out = torch.empty_like(r)
+    outputs = (
+        torch.empty(k, dtype=torch.float32, device="cuda"),
+        torch.empty(k, dtype=torch.int32, device="cuda"),
+    )
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     try:  # capture fails on any synchronization, allocation or legacy-stream use
         with torch.cuda.graph(graph, stream=core.stream):
-            values, indices = core.topk_device(g, r, out, k, "float32", 4, ws)
+            values, indices = core.topk_device(g, r, out, k, "float32", 4, ws, outputs)
         graph.replay()
         torch.cuda.synchronize()
         ev, ei, er = npref.topk_error_feedback(g_bits, r_bits, k, "float32")
@@ -508,6 +540,7 @@ def run_device_checks(core: CudaCore, big_n: int) -> list[str]:
         q = torch.empty(big_n, dtype=torch.int8, device="cuda")
         norms = torch.empty(big_n, dtype=torch.float32, device="cuda")
         ws = core.workspace(lambda s: core.lib.tfs_qsgd_workspace_bytes(big_n, 1, s), "ws")
+        torch.cuda.synchronize()  # x was written on the default stream
         code = core.lib.tfs_qsgd_quantize(
             0,
             core.ptr(x),
@@ -523,11 +556,20 @@ def run_device_checks(core: CudaCore, big_n: int) -> list[str]:
         )
         core.check(code, "quantize bucket_size=1")
         core.stream.synchronize()
-        ok = torch.equal(norms, x.float().abs()) and torch.equal(
-            q, (torch.sign(x.float()) * 5).to(torch.int8)
-        )
-        if not (ok and core.check_guards()):
-            failures.append(f"qsgd float16 bucket_size=1 n={big_n}")
+        norms_ok = torch.equal(norms, x.float().abs())
+        levels_ok = torch.equal(q, (torch.sign(x.float()) * 5).to(torch.int8))
+        guards = core.check_guards()
+        if not (norms_ok and levels_ok and guards):
+            bad = (norms != x.float().abs()) | (q != (torch.sign(x.float()) * 5).to(torch.int8))
+            where = bad.nonzero()[:1].flatten().tolist()
+            failures.append(
+                f"first wrong index {where}: x = {x[where].tolist()}, norm = "
+                f"{norms[where].tolist()}, level = {q[where].tolist()}"
+            )
+            failures.append(
+                f"qsgd float16 bucket_size=1 n={big_n}: norms {'ok' if norms_ok else 'WRONG'}, "
+                f"levels {'ok' if levels_ok else 'WRONG'}, guards {'ok' if guards else 'WRONG'}"
+            )
         del x, q, norms, ws
         torch.cuda.empty_cache()
     return failures
@@ -548,7 +590,7 @@ def run_timing(core: CudaCore, n: int, density: float, kind: str) -> None:
     values = torch.empty(k, dtype=dtype, device="cuda")
     indices = torch.empty(k, dtype=torch.int32, device="cuda")
 
-    def fused(target):
+    def fused(target, k=k):
         core.check(
             core.lib.tfs_topk_error_feedback(
                 CODES[kind],
@@ -577,14 +619,16 @@ def run_timing(core: CudaCore, n: int, density: float, kind: str) -> None:
 
     src = torch.empty(n * 3 * g.element_size() // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
+    torch.cuda.synchronize()  # inputs and workspace were written on other streams
     with torch.cuda.stream(core.stream):
         rows = [
             ("fused TopK + feedback (in place)", time_ms(torch, lambda: fused(r))),
             ("fused TopK + feedback (new residual)", time_ms(torch, lambda: fused(out))),
+            ("its add alone (k = 0, no selection)", time_ms(torch, lambda: fused(out, 0))),
             ("torch.topk(abs) + sort + gather + scatter", time_ms(torch, torch_path)),
             ("device copy of 3n elements' bytes", time_ms(torch, lambda: dst.copy_(src))),
         ]
-    fused_ms, torch_ms, copy_ms = rows[0][1], rows[2][1], rows[3][1]
+    fused_ms, torch_ms, copy_ms = rows[0][1], rows[3][1], rows[4][1]
     print(f"\nTopK with error feedback, {kind}, n = {n:,}, k = {k:,} ({density:.1%})")
     for name, ms in rows:
         print(f"  {name:44s} {ms:9.3f} ms   {ms / fused_ms:6.2f}x fused")
@@ -600,6 +644,7 @@ def run_qsgd_timing(core: CudaCore, n: int) -> None:
     x = torch.randn(n, device="cuda", generator=gen)
     q = torch.empty(n, dtype=torch.int8, device="cuda")
     decoded = torch.empty_like(x)
+    torch.cuda.synchronize()
     for bucket in (512, 1500, 0):
         print(f"\nQSGD float32, n = {n:,}, levels = 127, bucket = {bucket}")
         with torch.cuda.stream(core.stream):
@@ -612,6 +657,7 @@ def _qsgd_times(core: CudaCore, x, q, decoded, bucket: int) -> list[tuple[str, f
     n = x.numel()
     norms = core.torch.empty(npref.num_buckets(n, bucket), device="cuda")
     ws, size = core.workspace(lambda s: core.lib.tfs_qsgd_workspace_bytes(n, bucket, s), "ws")
+    core.torch.cuda.synchronize()
     quantize = (
         core.lib.tfs_qsgd_quantize,
         (2, core.ptr(x), n, 127, bucket, 1, core.ptr(q), core.ptr(norms), core.ptr(ws), size),
@@ -638,6 +684,7 @@ def run_scatter_timing(core: CudaCore, n: int, density: float, kind: str) -> Non
     values = torch.randn(2 * k, device="cuda", generator=gen).to(core.dtypes[kind])
     dense = torch.empty(n, dtype=values.dtype, device="cuda")
     src = torch.empty_like(dense)
+    torch.cuda.synchronize()
 
     def fused():
         code = core.lib.tfs_scatter_sum(
@@ -696,6 +743,9 @@ def main() -> int:
     parser.add_argument("--big-n", type=int, default=2**31 + 5, help="QSGD bucket_size=1 size")
     parser.add_argument("--small", action="store_true", help="small cases only (sanitizers)")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument(
+        "--kinds", default=",".join(npref.KINDS), help="dtypes of the correctness cases"
+    )
     args = parser.parse_args()
     start = time.monotonic()
     if args.tf_cpu:
@@ -705,7 +755,7 @@ def main() -> int:
         props = core.torch.cuda.get_device_properties(0)
         print(f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB; {core.versions()}")
     print("correctness against the NumPy model (the CPU kernels' semantics):", flush=True)
-    failures = run_correctness(core, args.small)
+    failures = run_correctness(core, args.small, args.kinds.split(","))
     if not args.tf_cpu:
         failures += run_device_checks(core, 0 if args.small else args.big_n)
     for f in failures:
