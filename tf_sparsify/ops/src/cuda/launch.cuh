@@ -1,5 +1,5 @@
-// Launch helpers of the CUDA core: grid sizes from the occupancy API and warp-aggregated
-// shared-memory histogram increments.
+// Launch helpers of the CUDA core: grid sizes from the occupancy API and shared-memory
+// histogram increments aggregated for warps whose keys are all equal.
 #ifndef TFS_LAUNCH_CUH_
 #define TFS_LAUNCH_CUH_
 
@@ -30,13 +30,19 @@ int GridFor(Kernel kernel, int threads, int64_t work) {
   return static_cast<int>(wanted < 1 ? 1 : (wanted < full ? wanted : full));
 }
 
-// Adds one to sh[bin] for every lane where `valid`; lanes of the warp that share a bin add
-// once, through their lowest lane. All 32 lanes must call it together (warp-uniform loops).
+// Adds one to sh[bin] for every lane where `valid`. When all valid lanes of the warp share
+// one bin (zeros, constant gradients) their lowest lane adds their count once; otherwise each
+// valid lane adds one (random keys rarely collide, and a ballot, a shuffle and a vote cost far
+// less than __match_any_sync). All 32 lanes must call it together (warp-uniform loops).
 __device__ __forceinline__ void WarpHistogramAdd(unsigned* sh, unsigned bin, bool valid) {
-  const unsigned key = valid ? bin : 0xFFFFFFFFu;
-  const unsigned peers = __match_any_sync(0xFFFFFFFFu, key);
-  if (valid && static_cast<int>(threadIdx.x & 31u) == __ffs(peers) - 1) {
-    atomicAdd(sh + bin, static_cast<unsigned>(__popc(peers)));
+  const unsigned active = __ballot_sync(0xFFFFFFFFu, valid);
+  if (active == 0u) return;
+  const int leader = __ffs(active) - 1;
+  const unsigned first = __shfl_sync(0xFFFFFFFFu, bin, leader);
+  if (__all_sync(0xFFFFFFFFu, !valid || bin == first)) {
+    if (static_cast<int>(threadIdx.x & 31u) == leader) atomicAdd(sh + first, __popc(active));
+  } else if (valid) {
+    atomicAdd(sh + bin, 1u);
   }
 }
 

@@ -1,13 +1,13 @@
 // CUDA core of QSGDQuantize / QSGDDequantize, free of TensorFlow.
 //
 // Bucket norms use the reference's summation order exactly: the bucket is zero-padded to a
-// power of two P and float64 squares are added in a tree of adjacent pairs. One thread block
-// sums an aligned block of min(P, 4096) entries (each thread a run of L adjacent entries, then
-// a shared-memory tree over the threads, both adjacent-pair trees); when P > 4096, the block
-// sums are halved pairwise in further launches. Units of fewer than kNormThreads threads share
-// a thread block, so every block has kNormThreads threads, and all loops are grid-stride with
-// grids from the occupancy API. Bucket lengths are not powers of two in general: per-element
-// bucket numbers are stepped incrementally (two 64-bit divisions per thread, not per element).
+// power of two P and float64 squares are added in a tree of adjacent pairs. Up to 256 threads
+// sum an aligned block of min(P, 4096) entries, loaded coalesced into shared memory (a
+// register tree per thread, a shuffle butterfly, a tree over the warps: see BlockSumsKernel);
+// when P > 4096, the block sums are halved pairwise in further launches. Small blocks share a
+// thread block, and all loops are grid-stride with grids from the occupancy API. Bucket
+// lengths are not powers of two in general: in quantizing, per-element bucket numbers are
+// stepped incrementally (two 64-bit divisions per thread, not per element).
 // Inputs go through QsgdInput (denormals flushed, saturation; see tfs_common.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -88,54 +88,86 @@ size_t RoundUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 size_t SumsBytes(const Plan& p) { return RoundUp(static_cast<size_t>(p.units) * sizeof(double)); }
 
-// One unit per (bucket, aligned block of `block` padded entries), summed by a group of
-// 2^log2_threads threads holding kL adjacent entries each; kNormThreads / group size groups per
-// thread block, grid-stride over units.
+// One unit per (bucket, aligned block of `block` padded entries), summed by T = block / kL
+// threads (kL = min(block, 16) adjacent entries each); kNormThreads / T units per round. The
+// round's squares are staged in shared memory from coalesced loads (one padding slot per 16,
+// so that neither the writes nor the kL-strided reads conflict), then each thread adds its kL
+// entries in a register tree, the T threads' sums go through a shuffle butterfly (xor 1, 2,
+// ...: every lane holds the sum of its aligned group, and a + b == b + a bit for bit), and
+// when T > 32 one thread adds the T / 32 warp sums in a tree. All three are trees of adjacent
+// pairs of aligned groups: the reference's order. Grid-stride over rounds.
 template <int Dtype, int kL>
 __global__ void __launch_bounds__(kNormThreads)
     BlockSumsKernel(const typename Elem<Dtype>::Type* __restrict__ x, int64_t n, Plan plan,
                     int log2_threads, double* __restrict__ sums) {
-  __shared__ double sh[kNormThreads];
-  const int threads = 1 << log2_threads;
-  const int groups = kNormThreads >> log2_threads;
-  const int group = static_cast<int>(threadIdx.x) >> log2_threads;
-  const int t = static_cast<int>(threadIdx.x) & (threads - 1);
-  double* mine = sh + group * threads;
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * groups; first < plan.units;
-       first += static_cast<int64_t>(gridDim.x) * groups) {
-    const int64_t unit = first + group;
-    double v[kL];
-#pragma unroll
-    for (int e = 0; e < kL; ++e) v[e] = 0.0;
-    if (unit < plan.units) {
-      const int64_t j = unit >> plan.log2_per_bucket;
-      const int64_t start = j * plan.bucket + ((unit & (plan.per_bucket - 1)) << plan.log2_block);
-      const int64_t bucket_end = (j + 1) * plan.bucket < n ? (j + 1) * plan.bucket : n;
-#pragma unroll
-      for (int e = 0; e < kL; ++e) {
-        const int64_t i = start + static_cast<int64_t>(t) * kL + e;
+  constexpr int kWarps = kNormThreads / 32;
+  constexpr int kStage = kNormThreads * kL;
+  __shared__ double stage[kStage + kStage / 16];
+  __shared__ double warp_sums[kWarps];
+  const int t = static_cast<int>(threadIdx.x);
+  const int warp = t >> 5;
+  const int lane = t & 31;
+  const int log2_lanes = log2_threads < 5 ? log2_threads : 5;
+  const int lanes = 1 << log2_lanes;
+  const int warps = 1 << (log2_threads - log2_lanes);  // per unit
+  const int per_round = kNormThreads >> log2_threads;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * per_round; first < plan.units;
+       first += static_cast<int64_t>(gridDim.x) * per_round) {
+    for (int p = t; p < kStage; p += kNormThreads) {
+      const int64_t unit = first + (p >> plan.log2_block);
+      double square = 0.0;
+      if (unit < plan.units) {
+        const int64_t j = unit >> plan.log2_per_bucket;
+        const int64_t i = j * plan.bucket +
+                          ((unit & (plan.per_bucket - 1)) << plan.log2_block) +
+                          (p & (plan.block - 1));
+        const int64_t bucket_end = (j + 1) * plan.bucket < n ? (j + 1) * plan.bucket : n;
         if (i < bucket_end) {
           const double d = static_cast<double>(Elem<Dtype>::ToFloat(x[i]));
-          v[e] = __dmul_rn(d, d);
+          square = __dmul_rn(d, d);
         }
       }
+      stage[p + (p >> 4)] = square;
     }
-#pragma unroll
-    for (int w = kL / 2; w >= 1; w /= 2) {
-#pragma unroll
-      for (int e = 0; e < w; ++e) v[e] = __dadd_rn(v[2 * e], v[2 * e + 1]);
-    }
-    mine[t] = v[0];
     __syncthreads();
-    for (int w = threads / 2; w >= 1; w /= 2) {
-      double s = 0.0;
-      if (t < w) s = __dadd_rn(mine[2 * t], mine[2 * t + 1]);
-      __syncthreads();
-      if (t < w) mine[t] = s;
-      __syncthreads();
+    double v[kL];
+#pragma unroll
+    for (int e = 0; e < kL; ++e) {
+      const int p = t * kL + e;
+      v[e] = stage[p + (p >> 4)];
     }
-    if (t == 0 && unit < plan.units) sums[unit] = mine[0];
-    __syncthreads();  // mine[] is rewritten by the next round
+#pragma unroll
+    for (int step = 1; step < kL; step <<= 1) {
+#pragma unroll
+      for (int e = 0; e < kL; e += 2 * step) v[e] = __dadd_rn(v[e], v[e + step]);
+    }
+    for (int m = 1; m < lanes; m <<= 1) {
+      v[0] = __dadd_rn(v[0], __shfl_xor_sync(0xFFFFFFFFu, v[0], m));
+    }
+    const int64_t unit = first + (t >> log2_threads);
+    if (warps == 1) {
+      if ((lane & (lanes - 1)) == 0 && unit < plan.units) sums[unit] = v[0];
+    } else if (lane == 0) {
+      warp_sums[warp] = v[0];
+    }
+    // stage is free and warp_sums complete; the next round writes warp_sums only after its
+    // first barrier, which the threads reading it below reach later.
+    __syncthreads();
+    if (warps > 1 && lane == 0 && (warp & (warps - 1)) == 0 && unit < plan.units) {
+      double w[kWarps];
+#pragma unroll
+      for (int q = 0; q < kWarps; ++q) {
+        w[q] = q < warps ? warp_sums[(warp + q) & (kWarps - 1)] : 0.0;
+      }
+#pragma unroll
+      for (int width = kWarps; width > 1; width /= 2) {
+        if (width <= warps) {
+#pragma unroll
+          for (int q = 0; q < width / 2; ++q) w[q] = __dadd_rn(w[2 * q], w[2 * q + 1]);
+        }
+      }
+      sums[unit] = w[0];
+    }
   }
 }
 
@@ -214,9 +246,9 @@ template <int Dtype, int kL>
 void LaunchBlockSums(const void* x, int64_t n, const Plan& plan, double* sums,
                      cudaStream_t stream) {
   const int log2_threads = plan.log2_block - Log2(kL);
-  const int64_t groups = kNormThreads >> log2_threads;
+  const int64_t per_round = kNormThreads >> log2_threads;
   const int grid = GridFor(BlockSumsKernel<Dtype, kL>, kNormThreads,
-                           (plan.units + groups - 1) / groups * kNormThreads);
+                           (plan.units + per_round - 1) / per_round * kNormThreads);
   BlockSumsKernel<Dtype, kL><<<grid, kNormThreads, 0, stream>>>(
       static_cast<const typename Elem<Dtype>::Type*>(x), n, plan, log2_threads, sums);
 }
@@ -229,17 +261,22 @@ int Quantize(const void* x, int64_t n, int levels, int64_t bucket_size, int64_t 
   if (workspace_bytes < 2 * SumsBytes(plan)) return TFS_ERR_ARG;
   double* sums = static_cast<double*>(workspace);
   double* spare = reinterpret_cast<double*>(static_cast<char*>(workspace) + SumsBytes(plan));
-  // threads = block / L with L the smallest power of two keeping threads <= kNormThreads.
-  if (plan.block <= kNormThreads) {
-    LaunchBlockSums<Dtype, 1>(x, n, plan, sums, stream);
-  } else if (plan.block == 2 * kNormThreads) {
-    LaunchBlockSums<Dtype, 2>(x, n, plan, sums, stream);
-  } else if (plan.block == 4 * kNormThreads) {
-    LaunchBlockSums<Dtype, 4>(x, n, plan, sums, stream);
-  } else if (plan.block == 8 * kNormThreads) {
-    LaunchBlockSums<Dtype, 8>(x, n, plan, sums, stream);
-  } else {
-    LaunchBlockSums<Dtype, 16>(x, n, plan, sums, stream);
+  // kL = min(block, 16) entries per thread.
+  switch (plan.log2_block < 4 ? plan.log2_block : 4) {
+    case 0:
+      LaunchBlockSums<Dtype, 1>(x, n, plan, sums, stream);
+      break;
+    case 1:
+      LaunchBlockSums<Dtype, 2>(x, n, plan, sums, stream);
+      break;
+    case 2:
+      LaunchBlockSums<Dtype, 4>(x, n, plan, sums, stream);
+      break;
+    case 3:
+      LaunchBlockSums<Dtype, 8>(x, n, plan, sums, stream);
+      break;
+    default:
+      LaunchBlockSums<Dtype, 16>(x, n, plan, sums, stream);
   }
   for (int64_t width = plan.per_bucket; width > 1; width /= 2) {
     const int64_t total = plan.buckets * width / 2;

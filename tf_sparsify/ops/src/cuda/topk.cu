@@ -13,8 +13,9 @@
 //      writes values and indices and zeroes the selected entries of new_residual.
 // The add follows the ops' denormal policy explicitly (see tfs_common.h): float32, float64 and
 // bfloat16 (in float32) operands and sums that are denormal become signed zeros. Histogram
-// increments are aggregated per warp (real gradients, and zeros, fill few bins); grids come
-// from the occupancy API. n < 2^31: indices are int internally (cub::DeviceSelect, tie radix).
+// increments are single shared-memory atomics, one per warp when its keys are all equal (zeros,
+// and the runs of consecutive tie indices); grids come from the occupancy API. n < 2^31:
+// indices are int internally (cub::DeviceSelect, tie radix).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -164,7 +165,7 @@ __global__ void InitKernel(State* st, unsigned* hist, long long k, unsigned long
 }
 
 // acc = grad + residual (acc may alias residual); histograms key >> shift unless hist is null.
-// Loops are warp-uniform (WarpBase) for the warp-aggregated histogram.
+// Loops are warp-uniform (WarpBase) for the warp-level histogram increments.
 template <int Dtype>
 __global__ void __launch_bounds__(kThreads)
     AddHistKernel(const typename Elem<Dtype>::Bits* __restrict__ grad,
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Histograms digit (i >> shift) & mask of the indices of the ties inside the index band
-// (consecutive ties share a digit: the warp aggregation matters most here).
+// (consecutive ties share a digit, so a warp's ties mostly add with one atomic).
 template <typename Bits>
 __global__ void __launch_bounds__(kThreads)
     RefineTieKernel(const Bits* __restrict__ acc, int64_t n, const State* __restrict__ st,
@@ -334,8 +335,9 @@ struct IsSelected {
   const State* st;
   __device__ __forceinline__ bool operator()(int i) const {
     const Bits key = KeyBits(acc[i]);
-    return key > static_cast<Bits>(st->hi) ||
-           (key >= static_cast<Bits>(st->lo) && static_cast<long long>(i) <= st->idx_limit);
+    return key > static_cast<Bits>(__ldg(&st->hi)) ||
+           (key >= static_cast<Bits>(__ldg(&st->lo)) &&
+            static_cast<long long>(i) <= __ldg(&st->idx_limit));
   }
 };
 
