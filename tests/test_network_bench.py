@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from benchmarks.network import report, run
+from benchmarks.network.affinity import local_rank, rank_cores
 from benchmarks.network.jobs import JobFailed, run_job
 from benchmarks.network.models import COMPRESSORS, PROBES
 from benchmarks.network.netns import PRETEND_NO_ROOT_ENV, shaped_namespace, unavailable_reason
@@ -113,6 +114,59 @@ def test_progress_and_tables(quick):
     for probe in ("compute", "compute_sync"):  # the overlap lines
         assert f"- horovod, tiny, {probe}: unlimited: " in markdown
     assert "unlimited ×dense" in markdown and "best of" in markdown
+
+
+def test_the_report_says_how_processes_share_the_cores(quick):
+    _, data, _ = quick
+    cores = len(os.sched_getaffinity(0))
+    if cores >= 2:
+        assert f"pinned to its own {cores // 2} of the {cores} cores" in data["timing"]
+    else:
+        assert f"not pinned: {cores} cores for 2 processes" in data["timing"]
+
+
+def test_each_rank_gets_its_own_share_of_the_cores():
+    assert rank_cores(0, 2, [3, 0, 2, 1]) == [0, 1]
+    assert rank_cores(1, 2, [0, 1, 2, 3, 4]) == [2, 3]
+    assert rank_cores(2, 3, [0, 1, 2]) == [2]
+    assert rank_cores(1, 3, [0, 1]) is None  # fewer cores than ranks: not pinned
+    with pytest.raises(ValueError, match="rank must be in \\[0, 2\\), got 2"):
+        rank_cores(2, 2, [0, 1])
+
+
+def test_local_rank_from_either_launcher(monkeypatch):
+    for name in ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "TF_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    assert local_rank() is None
+    cluster = {"worker": ["localhost:1", "localhost:2", "localhost:3"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"index": 2}}))
+    assert local_rank() == (2, 3)
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "1")
+    monkeypatch.setenv("HOROVOD_LOCAL_SIZE", "2")
+    assert local_rank() == (1, 2)
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_a_job_process_pins_itself_when_asked(tmp_path, monkeypatch, pin):
+    """Through run_job's environment, as the workers do: rank 1 of 2 takes the upper half of
+    the cores with pin=True and keeps them all with pin=False."""
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "1")
+    monkeypatch.setenv("HOROVOD_LOCAL_SIZE", "2")
+    results, log = str(tmp_path / "r.jsonl"), str(tmp_path / "job.log")
+    script = (
+        "import json, os\n"
+        "from benchmarks.network.affinity import pin_to_rank_cores\n"
+        "pinned = pin_to_rank_cores()\n"
+        f"open({results!r}, 'a').write(json.dumps({{'pinned': pinned, "
+        "'cores': sorted(os.sched_getaffinity(0))}) + '\\n')\n"
+    )
+    (record,) = run_job([sys.executable, "-c", script], results, log, 60, print, pin=pin)
+    cores = sorted(os.sched_getaffinity(0))
+    share = rank_cores(1, 2, cores)
+    if pin and share is not None:
+        assert record == {"pinned": share, "cores": share}
+    else:
+        assert record == {"pinned": None, "cores": cores}
 
 
 def test_runs_in_a_namespace_when_it_can(quick):

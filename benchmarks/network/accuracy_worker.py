@@ -19,6 +19,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from benchmarks.network.affinity import pin_to_rank_cores  # noqa: E402
+
+pin_to_rank_cores()  # before TensorFlow starts its thread pools
+
 import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 
 import psutil
 
+from benchmarks.network.affinity import PIN_ENV
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 POLL_S = 0.25
@@ -96,12 +98,15 @@ def run_job(
     log: str,
     timeout: float,
     on_record: Callable[[dict], None],
+    pin: bool = False,
 ) -> list[dict]:
     """Run ``command`` (output to ``log``) for at most ``timeout`` seconds; pass every record
-    rank 0 appends to ``results`` to ``on_record`` as it arrives; return all of them.
+    rank 0 appends to ``results`` to ``on_record`` as it arrives; return all of them. ``pin``:
+    each process takes its own share of the cores (see ``affinity.py``).
     Raises :class:`JobFailed` on a non-zero exit or at the deadline."""
     env = {
         **os.environ,
+        PIN_ENV: "1" if pin else "0",
         "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
         "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
         "CUDA_VISIBLE_DEVICES": "",

@@ -73,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="throughput: intra-op threads per process (0: TF's default)",
     )
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give each process its own share of the cores, as separate machines would have "
+        "(default; needs at least --np cores)",
+    )
     p.add_argument("--epochs", type=int, default=20, help="accuracy: epochs per compressor")
     p.add_argument("--target", type=float, default=0.95, help="accuracy: test accuracy to reach")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
@@ -173,7 +180,12 @@ def throughput_jobs(args: argparse.Namespace, shaped: bool, tmp: str, rows: list
                 command = mwms_command(prefix, args.np, args.timeout, worker_args)
             log = os.path.join(tmp, f"job{number}.log")
             records = run_job(
-                command, results, log, args.timeout + 60, lambda r: show_window(r, args.rounds)
+                command,
+                results,
+                log,
+                args.timeout + 60,
+                lambda r: show_window(r, args.rounds),
+                pin=args.pin,
             )
         rows += [r for r in records if r["event"] == "result"]
 
@@ -201,20 +213,31 @@ def accuracy_job(args: argparse.Namespace, shaped: bool, tmp: str, records: list
             prefix, args.np, "benchmarks.network.accuracy_worker", worker_args
         )
         log = os.path.join(tmp, "accuracy.log")
-        records += run_job(command, results, log, args.timeout, progress)
+        records += run_job(command, results, log, args.timeout, progress, pin=args.pin)
+
+
+def cores_note(args: argparse.Namespace) -> str:
+    """How the job's processes share the machine's cores, for the report."""
+    cores = len(os.sched_getaffinity(0))
+    if not args.pin:
+        return f"all {cores} cores shared by the {args.np} processes of a job (--no-pin)"
+    if cores < args.np:
+        return f"not pinned: {cores} cores for {args.np} processes"
+    share = cores // args.np
+    return f"each of a job's {args.np} processes pinned to its own {share} of the {cores} cores"
 
 
 def timing_note(args: argparse.Namespace) -> str:
     if args.mode == "accuracy":
         return (
             "compressors take turns epoch by epoch in one job; each one's clock runs only during "
-            "its own training steps (tracing included, evaluation excluded)"
+            f"its own training steps (tracing included, evaluation excluded); {cores_note(args)}"
         )
     return (
         f"ms/step: best of {args.rounds} windows of {args.window} steps after {args.warmup} "
         "warm-up steps; the compressors take turns window by window inside one job per "
         "(backend, model, rate); ×dense = dense ms / this ms (> 1: faster than dense), "
-        "×FP16 likewise"
+        f"×FP16 likewise; {cores_note(args)}"
     )
 
 

@@ -31,6 +31,10 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from benchmarks.network.affinity import pin_to_rank_cores  # noqa: E402
+
+pin_to_rank_cores()  # before TensorFlow starts its thread pools
+
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
