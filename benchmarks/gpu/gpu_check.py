@@ -556,11 +556,13 @@ def run_device_checks(core: CudaCore, big_n: int) -> list[str]:
         )
         core.check(code, "quantize bucket_size=1")
         core.stream.synchronize()
-        norms_ok = torch.equal(norms, x.float().abs())
-        levels_ok = torch.equal(q, (torch.sign(x.float()) * 5).to(torch.int8))
+        want_norms = x.float().abs()
+        want_levels = (torch.sign(x.float()) * 5).to(torch.int8)
+        norms_ok = torch.equal(norms, want_norms)
+        levels_ok = torch.equal(q, want_levels)
         guards = core.check_guards()
         if not (norms_ok and levels_ok and guards):
-            bad = (norms != x.float().abs()) | (q != (torch.sign(x.float()) * 5).to(torch.int8))
+            bad = (norms != want_norms) | (q != want_levels)
             where = bad.nonzero()[:1].flatten().tolist()
             failures.append(
                 f"first wrong index {where}: x = {x[where].tolist()}, norm = "
@@ -570,7 +572,7 @@ def run_device_checks(core: CudaCore, big_n: int) -> list[str]:
                 f"qsgd float16 bucket_size=1 n={big_n}: norms {'ok' if norms_ok else 'WRONG'}, "
                 f"levels {'ok' if levels_ok else 'WRONG'}, guards {'ok' if guards else 'WRONG'}"
             )
-        del x, q, norms, ws
+        del x, q, norms, ws, want_norms, want_levels
         torch.cuda.empty_cache()
     return failures
 
@@ -657,7 +659,6 @@ def _qsgd_times(core: CudaCore, x, q, decoded, bucket: int) -> list[tuple[str, f
     n = x.numel()
     norms = core.torch.empty(npref.num_buckets(n, bucket), device="cuda")
     ws, size = core.workspace(lambda s: core.lib.tfs_qsgd_workspace_bytes(n, bucket, s), "ws")
-    core.torch.cuda.synchronize()
     quantize = (
         core.lib.tfs_qsgd_quantize,
         (2, core.ptr(x), n, 127, bucket, 1, core.ptr(q), core.ptr(norms), core.ptr(ws), size),
