@@ -11,17 +11,48 @@ writes a PNG of test accuracy against cumulative bytes sent.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
+import sys
+import tempfile
 import time
 
-# TensorFlow's C++ log lines off unless the user asked for them.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+#: TensorFlow's C++ info and warning lines (``I0000 00:00:...] ...``, the second line of its
+#: CPU-feature notice) and absl's preamble
+_CPP_LOG_LINE = re.compile(
+    r"^[IW]\d{4} \d\d:\d\d|^To enable the following instructions:|^WARNING: All log messages"
+)
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-import tf_sparsify as tfs  # noqa: E402
+@contextlib.contextmanager
+def _quiet_tensorflow_import():
+    """Unless the user set ``TF_CPP_MIN_LOG_LEVEL``: hide TensorFlow's C++ info and warning
+    lines while it loads (on some CPUs it prints them before reading that setting), pass on
+    anything else it writes, and keep its later C++ logging at warnings and above off."""
+    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile("w+") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            sys.stderr.write("".join(line for line in log if not _CPP_LOG_LINE.match(line)))
+
+
+with _quiet_tensorflow_import():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_sparsify as tfs
 
 # name -> (label, compressor factory, learning-rate factor). Scaled random-k has variance
 # beta = d/k - 1 = 9 at 10%; at the dense step size it diverges, so it runs at lr / (1 + beta).

@@ -75,10 +75,31 @@ def test_demo_rejects_unknown_compressor():
     assert proc.returncode == 2 and "unknown compressors ['zip']" in proc.stderr
 
 
+def _log_sources(text: str) -> set[str]:
+    """Where each C++ log line of ``text`` comes from (``file.cc:line``), or absl's preamble."""
+    sources = set()
+    for line in text.splitlines():
+        if CPP_LOG_LINE.search(line):
+            source = re.search(r" (\S+:\d+)\] ", line)
+            sources.add(source.group(1) if source else "absl::InitializeLog")
+    return sources
+
+
 def test_demo_is_quiet_unless_the_user_asks_for_tensorflow_logs(tmp_path):
+    # What TensorFlow prints at import even at TF_CPP_MIN_LOG_LEVEL=3 (on some CPUs it logs
+    # before reading the setting) is outside the setting's control: the demo hides what it can
+    # of that, and must print nothing else.
+    bare = subprocess.run(
+        [sys.executable, "-c", "import tensorflow"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    uncontrolled = _log_sources(bare.stderr + bare.stdout)
     args = ("--epochs=1", "--compressors=dense", "--verbose=0", f"--out={tmp_path / 'q.png'}")
     quiet = run_demo(*args, log_level=None)
     assert quiet.returncode == 0, quiet.stderr[-3000:]
-    assert not CPP_LOG_LINE.search(quiet.stderr + quiet.stdout), quiet.stderr[-3000:]
+    assert _log_sources(quiet.stderr + quiet.stdout) <= uncontrolled, quiet.stderr[-3000:]
     loud = run_demo(*args, log_level="0")  # the user's own setting wins
     assert loud.returncode == 0 and CPP_LOG_LINE.search(loud.stderr)

@@ -9,6 +9,7 @@ names what moved (``tests/test_compat.py`` runs it, so the failure is one clear 
 from __future__ import annotations
 
 import keras
+from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.utils import tracking
 
 #: Decorator: attributes set inside the method are not tracked as Keras dependencies.
@@ -29,10 +30,40 @@ _OPTIMIZER_ATTRIBUTES = (
 )
 
 
+#: ``TensorFlowTrainer`` entry points, and the methods behind them that the multi-worker ``fit``
+#: repair wraps (:mod:`tf_sparsify.keras.multi_worker`).
+TRAINER_ENTRY_POINTS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
+_TRAINER_INTERNALS = ("_maybe_symbolic_build", "_symbolic_build")
+#: ``BackupAndRestore`` attributes that say where it writes.
+_BACKUP_ATTRIBUTES = (
+    "backup_dir",
+    "_weights_path",
+    "_training_metadata_path",
+    "_prev_weights_path",
+    "_prev_training_metadata_path",
+)
+
+
 def check() -> None:
     """RuntimeError naming every private Keras API used here that this Keras lacks."""
     probe = keras.optimizers.SGD(0.1)
     missing = [name for name in _OPTIMIZER_ATTRIBUTES if not hasattr(probe, name)]
+    missing += [
+        f"TensorFlowTrainer.{name}"
+        for name in TRAINER_ENTRY_POINTS + _TRAINER_INTERNALS
+        if not callable(getattr(tf_trainer.TensorFlowTrainer, name, None))
+    ]
+    if not callable(getattr(tf_trainer, "reduce_per_replica", None)):
+        missing.append("keras.src.backend.tensorflow.trainer.reduce_per_replica")
+    backup = keras.callbacks.BackupAndRestore("probe")
+    missing += [f"BackupAndRestore.{a}" for a in _BACKUP_ATTRIBUTES if not hasattr(backup, a)]
     if not callable(no_automatic_dependency_tracking):
         missing.append("keras.src.utils.tracking.no_automatic_dependency_tracking")
     ema_probe = keras.optimizers.SGD(0.1, use_ema=True)
@@ -120,3 +151,36 @@ def disable_dense_all_reduce(optimizer: keras.optimizers.Optimizer | None) -> No
 
 def _pass_through(grads_and_vars):
     return list(grads_and_vars)
+
+
+# -- the TF trainer (multi-worker ``fit``) ------------------------------------------------------
+def wrap_trainer(entry_point, build_from_batch, reduce_per_replica) -> None:
+    """Wrap Keras' TF trainer for every model: each method named in
+    :data:`TRAINER_ENTRY_POINTS` becomes ``entry_point(method, name)``, the symbolic build
+    before the first step ``build_from_batch(method)``, and the reduction of each step's
+    outputs over replicas ``reduce_per_replica(function)`` (used from the step functions'
+    next trace on)."""
+    trainer = tf_trainer.TensorFlowTrainer
+    for name in TRAINER_ENTRY_POINTS:
+        setattr(trainer, name, entry_point(getattr(trainer, name), name))
+    trainer._maybe_symbolic_build = build_from_batch(trainer._maybe_symbolic_build)
+    tf_trainer.reduce_per_replica = reduce_per_replica(tf_trainer.reduce_per_replica)
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Build the model, its metrics and optimizer from one batch (Keras' ``_symbolic_build``)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def model_strategy(model):
+    """The strategy the model was created under (``None``: none; Keras then builds lazily)."""
+    return model._distribute_strategy
+
+
+def redirect_backup(callback: keras.callbacks.BackupAndRestore, directory: str) -> None:
+    """Make a ``BackupAndRestore`` callback write and read its files in ``directory``."""
+    original = callback.backup_dir
+    for name in _BACKUP_ATTRIBUTES[1:]:
+        path = getattr(callback, name)
+        setattr(callback, name, directory + path[len(original) :])
+    callback.backup_dir = directory

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
-from tf_sparsify.keras import compat, sparse_sgd
+from tf_sparsify.keras import compat, multi_worker, replica_values, sparse_sgd
 from tf_sparsify.pipeline import GradientPipeline, SparseUpdate, StepResult
 from tf_sparsify.state import ExchangeState, StateViews
 
@@ -137,6 +137,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
                 f"received inner_optimizer={inner_optimizer!r}"
             )
         super().__init__(learning_rate=0.0, name=name)
+        multi_worker.install()
         self.inner_optimizer = inner_optimizer
         pipeline = GradientPipeline(
             compressor,
@@ -260,6 +261,30 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
                     f"received a weight of shape {tuple(weight.shape)}."
                 )
             variable.assign(weight)
+
+    def save_own_variables(self, store) -> None:
+        """Keras' saving (``.keras``, ``.weights.h5``): per-replica variables (residuals,
+        momenta) as the stack of this process's replica values, read without a collective
+        (:mod:`tf_sparsify.keras.replica_values`)."""
+        for i, variable in enumerate(self.variables):
+            store[str(i)] = replica_values.saved_value(variable)
+
+    def load_own_variables(self, store) -> None:
+        """Restore what :meth:`save_own_variables` wrote: every value is checked before any is
+        assigned; each replica gets its own saved value back."""
+        variables = self.variables
+        if len(store.keys()) != len(variables):
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.name}': it has "
+                f"{len(variables)} variables, the saved optimizer {len(store.keys())}.",
+                stacklevel=2,
+            )
+            return
+        saved = [store[str(i)] for i in range(len(variables))]
+        for variable, value in zip(variables, saved, strict=True):
+            replica_values.check_restorable(variable, value, variable.path)
+        for variable, value in zip(variables, saved, strict=True):
+            replica_values.restore(variable, value, variable.path)
 
     # -- one step -----------------------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):

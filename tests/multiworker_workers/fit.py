@@ -1,0 +1,144 @@
+"""One worker of a ``MultiWorkerMirroredStrategy`` job that trains with ``model.fit``.
+
+    python tests/multiworker_workers/fit.py --out DIR [--configs topk,identity] [--data numpy]
+        [--strategy mwms|mirrored] [--backup DIR] [--kill-at EPOCH:BATCH] [--chief-save]
+
+Under ``mwms`` the worker index comes from ``TF_CONFIG`` (``run_local_workers``); ``mirrored``
+runs one process with a 2-replica ``MirroredStrategy`` over logical CPU devices, for
+comparison. Per configuration it writes ``<config>_<worker>.npz`` (weights, the optimizer's
+saved values, evaluation, predictions) and ``<config>_<worker>.json`` (history).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_sparsify as tfs  # noqa: E402
+from tf_sparsify.keras import replica_values  # noqa: E402
+
+GLOBAL_BATCH = 64
+ROWS = 512
+
+
+def make_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 20)).astype("float32")
+    y = (np.tanh(x[:, :3].sum(1, keepdims=True)) + 0.1 * x[:, 3:4]).astype("float32")
+    return x, y
+
+
+def make_optimizer(config: str):
+    if config == "plain":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    compressor = {"topk": tfs.TopK(ratio=0.1), "identity": tfs.Identity()}[config]
+    return tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), compressor)
+
+
+def make_model(strategy, config: str) -> keras.Model:
+    keras.utils.set_random_seed(7)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((20,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(optimizer=make_optimizer(config), loss="mse", metrics=["mae"])
+    return model
+
+
+def inputs(args, x, y) -> dict:
+    if args.data == "dataset":
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+        return {"x": dataset}
+    return {"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": False}
+
+
+class KillAt(keras.callbacks.Callback):
+    """SIGKILL this process after batch ``batch`` of epoch ``epoch`` (a crash mid-epoch)."""
+
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self.kill_epoch, self.kill_batch, self.epoch = epoch, batch, -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == (self.kill_epoch, self.kill_batch):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(args) -> None:
+    if args.strategy == "mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        worker = 0
+    else:
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        worker = strategy.cluster_resolver.task_id
+    if args.enable:
+        tfs.distribute.enable_multi_worker_fit()
+    x, y = make_data()
+    for config in args.configs.split(","):
+        model = make_model(strategy, config)
+        callbacks = []
+        if args.backup:
+            callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, config)))
+        if args.kill_at and worker == 1:
+            callbacks.append(KillAt(*map(int, args.kill_at.split(":"))))
+        try:
+            history = model.fit(
+                **inputs(args, x, y), epochs=args.epochs, verbose=0, callbacks=callbacks
+            )
+        except Exception as error:  # reported for the test to match
+            print(f"FIT FAILED {config}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            continue
+        if args.chief_save and worker == 0:
+            model.save(os.path.join(args.out, f"{config}_chief.keras"))
+        evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
+        predictions = model.predict(x[:100], batch_size=GLOBAL_BATCH, verbose=0)
+        saved = [replica_values.saved_value(v) for v in model.optimizer.variables]
+        np.savez(
+            os.path.join(args.out, f"{config}_{worker}.npz"),
+            evaluation=np.asarray(evaluation),
+            predictions=predictions,
+            **{f"w{i}": w for i, w in enumerate(model.get_weights())},
+            **{f"o{i}": s for i, s in enumerate(saved)},
+        )
+        with open(os.path.join(args.out, f"{config}_{worker}.json"), "w") as f:
+            json.dump(history.history, f)
+        print(f"worker {worker}: {config} done", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--configs", default="topk")
+    p.add_argument("--data", choices=("numpy", "dataset"), default="numpy")
+    p.add_argument("--strategy", choices=("mwms", "mirrored"), default="mwms")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--backup", default=None)
+    p.add_argument("--kill-at", default=None)
+    p.add_argument("--chief-save", action="store_true")
+    p.add_argument("--enable", action="store_true", help="enable_multi_worker_fit() first")
+    run(p.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Keras 3 ``model.fit``/``evaluate``/``predict`` under MultiWorkerMirroredStrategy: two real
+worker processes (``run_local_workers``), against MirroredStrategy on two devices of one process
+with the same global batches, and through a worker killed mid-epoch and relaunched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, run_python
+from tf_sparsify.distribute import run_local_workers
+
+WORKER = os.path.join(ROOT, "tests", "multiworker_workers", "fit.py")
+ENV = {"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def launch(out, *args: str, workers: int = 2) -> list[str]:
+    return run_local_workers([WORKER, f"--out={out}", *args], workers, timeout=240, env=ENV)
+
+
+def mirrored(out, *args: str) -> None:
+    """The same job in one process on a 2-replica MirroredStrategy."""
+    proc = subprocess.run(
+        [sys.executable, WORKER, f"--out={out}", "--strategy=mirrored", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **ENV},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def result(out, config: str, worker: int) -> tuple[dict, dict]:
+    with np.load(os.path.join(out, f"{config}_{worker}.npz")) as data:
+        arrays = {k: data[k] for k in data.files}
+    with open(os.path.join(out, f"{config}_{worker}.json")) as f:
+        return arrays, json.load(f)
+
+
+def weights(arrays: dict) -> list[np.ndarray]:
+    return [arrays[f"w{i}"] for i in range(sum(k.startswith("w") for k in arrays))]
+
+
+def forward(ws: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+    return np.maximum(x @ ws[0] + ws[1], 0.0) @ ws[2] + ws[3]
+
+
+@pytest.fixture(scope="module")
+def numpy_runs(tmp_path_factory):
+    """TopK and Identity, NumPy inputs: two workers, and MirroredStrategy on two devices."""
+    mw, mirror = tmp_path_factory.mktemp("mw"), tmp_path_factory.mktemp("mirrored")
+    launch(mw, "--configs=topk,identity")
+    mirrored(mirror, "--configs=topk,identity")
+    return mw, mirror
+
+
+@pytest.mark.parametrize("config", ["topk", "identity"])
+def test_workers_end_identical_with_global_history(numpy_runs, config):
+    mw, _ = numpy_runs
+    (a0, h0), (a1, h1) = result(mw, config, 0), result(mw, config, 1)
+    for w0, w1 in zip(weights(a0), weights(a1), strict=True):
+        np.testing.assert_array_equal(w0, w1)
+    assert h0 == h1 and len(h0["loss"]) == 2
+    assert h0["loss"][1] < h0["loss"][0]
+
+
+@pytest.mark.parametrize("config", ["topk", "identity"])
+def test_two_workers_equal_mirrored_strategy_on_two_devices(numpy_runs, config):
+    mw, mirror = numpy_runs
+    (got, history), (want, want_history) = result(mw, config, 0), result(mirror, config, 0)
+    initial_gap = max(np.abs(w).max() for w in weights(want))
+    assert initial_gap > 0
+    for g, w in zip(weights(got), weights(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history["loss"], want_history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history["mae"], want_history["mae"], rtol=1e-5)
+
+
+def test_each_worker_keeps_its_own_residual(numpy_runs):
+    mw, mirror = numpy_runs
+    (a0, _), (a1, _), (m, _) = (
+        result(mw, "topk", 0),
+        result(mw, "topk", 1),
+        result(mirror, "topk", 0),
+    )
+    # the first kernel's residual is saved as [1, 20, 16] per worker and [2, 20, 16] for the
+    # two replicas of MirroredStrategy; worker i holds replica i's residual
+    key = next(k for k in a0 if k.startswith("o") and a0[k].shape[1:] == (20, 16))
+    r0, r1, both = a0[key], a1[key], m[key]
+    assert r0.shape[0] == r1.shape[0] == 1 and both.shape[0] == 2
+    assert np.abs(r0 - r1).max() > 1e-4
+    np.testing.assert_allclose(np.concatenate([r0, r1]), both, rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_and_predict_are_global(numpy_runs):
+    mw, _ = numpy_runs
+    arrays, _ = result(mw, "topk", 0)
+    from tests.multiworker_workers.fit import make_data
+
+    x, y = make_data()
+    ws = weights(arrays)
+    np.testing.assert_allclose(arrays["predictions"], forward(ws, x[:100]), rtol=1e-5, atol=1e-6)
+    mse = float(np.mean((forward(ws, x) - y) ** 2))
+    np.testing.assert_allclose(arrays["evaluation"][0], mse, rtol=1e-5)
+
+
+def test_dataset_input_is_sharded_over_workers(tmp_path):
+    mw, mirror = tmp_path / "mw", tmp_path / "mirrored"
+    mw.mkdir(), mirror.mkdir()
+    launch(mw, "--configs=topk", "--data=dataset")
+    mirrored(mirror, "--configs=topk", "--data=dataset")
+    (got, history), (want, _) = result(mw, "topk", 0), result(mirror, "topk", 0)
+    for g, w in zip(weights(got), weights(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert history == result(mw, "topk", 1)[1]
+
+
+def test_plain_keras_needs_the_opt_in(tmp_path):
+    outputs = launch(tmp_path, "--configs=plain", "--epochs=1")
+    assert all("FIT FAILED plain" in o for o in outputs), outputs[0][-2000:]
+    launch(tmp_path, "--configs=plain", "--epochs=1", "--enable")
+    (a0, h0), (a1, h1) = result(tmp_path, "plain", 0), result(tmp_path, "plain", 1)
+    assert h0 == h1
+    for w0, w1 in zip(weights(a0), weights(a1), strict=True):
+        np.testing.assert_array_equal(w0, w1)
+
+
+def test_backup_and_restore_after_a_worker_is_killed(tmp_path):
+    straight, resumed, backup = tmp_path / "straight", tmp_path / "resumed", tmp_path / "bk"
+    straight.mkdir(), resumed.mkdir()
+    launch(straight, "--configs=topk", "--epochs=4")
+    with pytest.raises(RuntimeError, match=r"exit -9"):
+        launch(resumed, "--configs=topk", "--epochs=4", f"--backup={backup}", "--kill-at=2:3")
+    saved = sorted(p.name for p in (backup / "topk").iterdir())
+    assert saved == ["worker_0", "worker_1"]
+    outputs = launch(resumed, "--configs=topk", "--epochs=4", f"--backup={backup}")
+    assert all("topk done" in o for o in outputs)
+    for worker in (0, 1):
+        (got, history), (want, _) = (
+            result(resumed, "topk", worker),
+            result(straight, "topk", worker),
+        )
+        assert len(history["loss"]) == 2  # epochs 2 and 3 ran again, from the backup
+        for key in want:
+            if key.startswith(("w", "o")):
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    assert not (backup / "topk").exists()  # every worker's backup removed once training ends
+
+
+def test_chief_alone_saves_and_the_file_loads(tmp_path):
+    # Saving reads each worker's residuals locally: the chief alone can save, no collective.
+    launch(tmp_path, "--configs=topk", "--epochs=1", "--chief-save")
+    out = run_python(
+        f"""
+        import keras, numpy as np, tf_sparsify
+        from tests.multiworker_workers.fit import make_data
+        model = keras.models.load_model({str(tmp_path / "topk_chief.keras")!r})
+        residual = next(v for v in model.optimizer.variables if tuple(v.shape) == (20, 16))
+        before = float(np.abs(residual.numpy()).sum())
+        x, y = make_data()
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        print("RESIDUAL", before, float(np.abs(residual.numpy()).sum()))
+        """
+    )
+    before, after = map(float, out.split("RESIDUAL")[1].split())
+    assert before > 0 and after > 0

@@ -1,0 +1,90 @@
+"""Saving and restoring per-replica optimizer variables replica by replica.
+
+Error-feedback residuals, DGC momenta and diagnostics are sync-on-read variables: each replica
+holds its own value. Keras saves a variable by reading it across replicas, which sums (or
+averages) the replicas' values and, under ``MultiWorkerMirroredStrategy``, is a collective
+every worker must join. Here a per-replica variable is saved as the stack ``[R, *shape]`` of
+this process's ``R`` replica values, read locally (no collective: a chief-only save cannot hang)
+and restored row by row, so each replica continues from exactly its own value. A variable that
+is not per-replica is saved and restored as Keras does.
+
+Restoring into a different number of replicas conserves the total: a summed variable's rows
+(or one unstacked value) are summed and split evenly over the replicas, an averaged one's are
+averaged; a warning says so.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+
+def _replica_parts(variable) -> tuple | None:
+    """This process's per-replica components of a sync-on-read variable, else ``None``."""
+    value = getattr(variable, "value", variable)
+    if not isinstance(value, tf.distribute.DistributedValues):
+        return None
+    if value.synchronization != tf.VariableSynchronization.ON_READ:
+        return None
+    return tuple(value.distribute_strategy.experimental_local_results(value))
+
+
+def _is_summed(variable) -> bool:
+    value = getattr(variable, "value", variable)
+    return value.aggregation == tf.VariableAggregation.SUM
+
+
+def saved_value(variable) -> np.ndarray:
+    """What to save for ``variable``: its replicas' values stacked, or its value."""
+    parts = _replica_parts(variable)
+    if parts is None:
+        return variable.numpy()
+    return np.stack([part.numpy() for part in parts])
+
+
+def check_restorable(variable, saved: np.ndarray, name: str) -> None:
+    """ValueError naming ``name`` when ``saved`` fits ``variable`` neither as one value nor as
+    a stack of per-replica values."""
+    shape = tuple(variable.shape)
+    saved_shape = tuple(np.shape(saved))
+    stacked = len(saved_shape) == len(shape) + 1 and saved_shape[1:] == shape
+    if saved_shape != shape and not stacked:
+        raise ValueError(
+            f"Cannot restore optimizer variable {name} of shape {shape} from a saved value of "
+            f"shape {saved_shape}: the checkpoint was written for other variables."
+        )
+
+
+def restore(variable, saved: np.ndarray, name: str) -> None:
+    """Assign ``saved`` (from :func:`saved_value`, checked by :func:`check_restorable`)."""
+    saved = np.asarray(saved)
+    parts = _replica_parts(variable)
+    stacked = saved.ndim == len(variable.shape) + 1
+    if parts is None:
+        if stacked:
+            _warn_conserved(name, len(saved), 1)
+            saved = saved.sum(0) if _is_summed(variable) else saved.mean(0)
+        variable.assign(saved)
+        return
+    if stacked and len(saved) == len(parts):
+        rows = list(saved)
+    else:
+        count = len(saved) if stacked else 1
+        _warn_conserved(name, count, len(parts))
+        if _is_summed(variable):
+            total = saved.sum(0) if stacked else saved
+            rows = [total / len(parts)] * len(parts)
+        else:
+            rows = [saved.mean(0) if stacked else saved] * len(parts)
+    for part, row in zip(parts, rows, strict=True):
+        part.assign(row.astype(part.dtype.as_numpy_dtype))
+
+
+def _warn_conserved(name: str, saved: int, now: int) -> None:
+    warnings.warn(
+        f"Optimizer variable {name} was saved for {saved} replica(s) and is restored into "
+        f"{now}: its total is conserved (summed, then split evenly), not each replica's value.",
+        stacklevel=3,
+    )
