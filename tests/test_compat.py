@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tf_sparsify"
 PRIVATE = re.compile(
     r"keras\.src|\._(iterations|trainable_variables|all_reduce_sum_gradients|var_key|"
     r"get_variable_index|check_variables_are_known|filter_empty_gradients|track_variable|"
-    r"distribution_strategy)\b"
+    r"distribution_strategy|distribute_strategy|maybe_symbolic_build|symbolic_build|"
+    r"weights_path|training_metadata_path|prev_weights_path|prev_training_metadata_path)\b"
 )
 
 
@@ -27,6 +28,17 @@ def test_this_keras_has_every_private_api_we_use():
 def test_a_moved_private_api_is_named(monkeypatch):
     monkeypatch.delattr(base_optimizer.BaseOptimizer, "_filter_empty_gradients")
     with pytest.raises(RuntimeError, match="moved private APIs.*_filter_empty_gradients"):
+        compat.check()
+
+
+def test_a_moved_trainer_api_is_named(monkeypatch):
+    from keras.src.backend.tensorflow import trainer
+
+    monkeypatch.delattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build")
+    monkeypatch.delattr(trainer, "reduce_per_replica")
+    with pytest.raises(
+        RuntimeError, match=r"TensorFlowTrainer\._maybe_symbolic_build.*reduce_per_replica"
+    ):
         compat.check()
 
 

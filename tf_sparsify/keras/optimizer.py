@@ -82,13 +82,17 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             :class:`~tf_sparsify.keras.CompressionDiagnostics` callback turns it on itself).
 
     With a plain ``keras.optimizers.SGD`` inside (no momentum, weight decay, clipping, EMA, loss
-    scale factor or accumulation), outside ``tf.distribute`` strategies and without a GPU, the
-    updates of TopK-compressed variables go into the variables in place from the gathered
+    scale factor or accumulation), outside ``tf.distribute`` strategies and XLA and without a
+    GPU, the updates of TopK-compressed variables go into the variables in place from the gathered
     entries (:mod:`tf_sparsify.keras.sparse_sgd`): the dense update is never built.
 
     Residuals are optimizer variables (checkpointed, saved in ``.keras`` files). Under a
-    ``tf.distribute`` strategy each replica keeps its own residual (sync-on-read, summed when
-    saved and split evenly when restored: the total error mass is conserved). Non-finite
+    ``tf.distribute`` strategy each replica keeps its own residual (sync-on-read). Keras'
+    saving (``.keras``, ``.weights.h5``, ``BackupAndRestore``) stores each replica's residual
+    and restores it exactly (:mod:`tf_sparsify.keras.replica_values`); a ``tf.train.Checkpoint``
+    stores their sum and splits it evenly on restore (the total mass is conserved). Under
+    ``MultiWorkerMirroredStrategy``, ``model.fit`` works (:mod:`tf_sparsify.keras.multi_worker`)
+    and every worker saves its own residuals. Non-finite
     gradients never enter the residuals; see :mod:`tf_sparsify.pipeline`.
 
     The inner optimizer's options (``weight_decay``, ``clipnorm``, ``use_ema``,
