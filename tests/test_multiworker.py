@@ -1,6 +1,6 @@
 """MultiWorkerMirroredStrategy: two real worker processes on localhost, against a hand-written loop.
 
-The workers run ``examples/multiworker_topk.py`` (TopK + error feedback, QSGD with int8 payloads,
+The workers run ``examples/multiworker_custom_loop.py`` (TopK + error feedback, QSGD with int8 payloads,
 TernGrad with uint8 payloads, TopK delayed by 2 steps). The reference recomputes the same
 training on one device with the compressors called directly: each worker's gradient of its
 scaled local loss, compressed with the worker's RNG key, decompressed, summed, applied by SGD.
@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _example():
-    path = os.path.join(ROOT, "examples", "multiworker_topk.py")
-    spec = importlib.util.spec_from_file_location("multiworker_topk", path)
+    path = os.path.join(ROOT, "examples", "multiworker_custom_loop.py")
+    spec = importlib.util.spec_from_file_location("multiworker_custom_loop", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

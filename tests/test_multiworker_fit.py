@@ -169,3 +169,16 @@ def test_chief_alone_saves_and_the_file_loads(tmp_path):
     )
     before, after = map(float, out.split("RESIDUAL")[1].split())
     assert before > 0 and after > 0
+
+
+def test_the_fit_example_runs(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "multiworker_fit.py"), "--epochs=2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **ENV},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "all workers identical" in proc.stdout
+    assert "2 workers, topk" in proc.stdout and "epoch 2: loss" in proc.stdout

@@ -22,13 +22,16 @@ import pytest
 from benchmarks.network import report, run
 from benchmarks.network.affinity import local_rank, rank_cores
 from benchmarks.network.jobs import JobFailed, run_job
-from benchmarks.network.models import COMPRESSORS, PROBES
+from benchmarks.network.models import BACKEND_PROBES, COMPRESSORS, PROBES
 from benchmarks.network.netns import PRETEND_NO_ROOT_ENV, shaped_namespace, unavailable_reason
 from tests.conftest import ROOT
 
 BACKENDS = ("horovod", "mwms")
-#: what each backend runs: the overlap probes take Horovod's collective apart
-NAMES = {"horovod": tuple(COMPRESSORS), "mwms": tuple(c for c in COMPRESSORS if c not in PROBES)}
+#: what each backend runs: the compressors and its own probes
+NAMES = {
+    backend: tuple(c for c in COMPRESSORS if c not in PROBES or c in BACKEND_PROBES[backend])
+    for backend in BACKENDS
+}
 TIMEOUT_S = 300
 
 
@@ -93,7 +96,7 @@ def test_compressed_payloads_are_smaller(quick):
         )
         assert rows[(backend, "fp16")]["bytes_per_step"] < dense
     # the same payloads whichever front end moves them
-    for name in NAMES["mwms"]:
+    for name in set(NAMES["mwms"]) & set(NAMES["horovod"]):
         assert rows[("horovod", name)]["bytes_per_step"] == rows[("mwms", name)]["bytes_per_step"]
     # the exchange-only probe moves exactly TopK 1%'s payloads
     assert (
@@ -113,6 +116,7 @@ def test_progress_and_tables(quick):
         assert markdown.count(f"| {label} |") == sum(name in n for n in NAMES.values())
     for probe in ("compute", "compute_sync"):  # the overlap lines
         assert f"- horovod, tiny, {probe}: unlimited: " in markdown
+    assert "- mwms, tiny: unlimited: " in markdown  # model.fit against the custom loop
     assert "unlimited ×dense" in markdown and "best of" in markdown
 
 

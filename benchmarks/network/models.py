@@ -23,13 +23,20 @@ COMPRESSORS = {
     "topk1": "TopK 1% + EF",
     "topk0.1": "TopK 0.1% + EF",
     "qsgd4": "QSGD s=4 (one bucket per tensor)",
-    # overlap probes (Horovod): the two halves of a TopK 1% step, each alone
+    # overlap probes: the two halves of a TopK 1% step, each alone
     "compute": "compute only (local SGD, no exchange)",
     "compute_sync": "compute + lockstep (local SGD, a 1-float all-reduce per step)",
     "exchange_topk1": "TopK 1% exchange only",
+    # MultiWorkerMirroredStrategy: TopK 1% trained by a custom loop instead of model.fit
+    "loop_topk1": "TopK 1% + EF, custom loop (strategy.run)",
 }
 #: names in COMPRESSORS that are probes, not compressors
-PROBES = ("compute", "compute_sync", "exchange_topk1")
+PROBES = ("compute", "compute_sync", "exchange_topk1", "loop_topk1")
+#: the probes each backend runs
+BACKEND_PROBES = {
+    "horovod": ("compute", "compute_sync", "exchange_topk1"),
+    "mwms": ("compute", "loop_topk1"),
+}
 MODELS = ("mlp10m", "mobilenetv2", "tiny")
 
 

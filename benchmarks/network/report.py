@@ -90,6 +90,28 @@ def overlap_markdown(rows: list[dict], rates: Sequence[str]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def fit_markdown(rows: list[dict], rates: Sequence[str]) -> str:
+    """Per (backend, model) with the custom-loop probe: TopK 1% through ``model.fit`` against
+    the same step in a custom loop, and against computing alone."""
+    best = {(r["backend"], r["model"], r["rate"], r["compressor"]): r["best_ms"] for r in rows}
+    lines = []
+    for backend, model in dict.fromkeys((r["backend"], r["model"]) for r in rows):
+        cells = []
+        for rate in rates:
+            fit, loop, compute = (
+                best.get((backend, model, rate, name))
+                for name in ("topk1", "loop_topk1", "compute")
+            )
+            if None not in (fit, loop, compute):
+                cells.append(f"{rate}: {fit / loop:.3f} / {fit / compute:.3f}")
+        if cells:
+            lines.append(f"- {backend}, {model}: " + "; ".join(cells))
+    if not lines:
+        return ""
+    head = "\n### TopK 1% with model.fit / custom loop, and / compute only\n\n"
+    return head + "\n".join(lines) + "\n"
+
+
 def time_to_target(points: list[dict], target: float) -> dict | None:
     """The first epoch record whose test accuracy reaches ``target``, or None."""
     return next((p for p in points if p["accuracy"] >= target), None)

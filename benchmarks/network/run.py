@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 from benchmarks.network import report
 from benchmarks.network.jobs import HOROVODRUN, JobFailed, horovod_command, mwms_command, run_job
-from benchmarks.network.models import COMPRESSORS, MODELS, PROBES
+from benchmarks.network.models import BACKEND_PROBES, COMPRESSORS, MODELS, PROBES
 from benchmarks.network.netns import (
     BURST,
     LATENCY,
@@ -38,7 +38,9 @@ BACKENDS = ("horovod", "mwms")
 DEFAULTS = {
     "throughput": {
         "rates": "1gbit,10gbit,unlimited",
-        "compressors": "identity,fp16,topk1,topk0.1,qsgd4,compute,compute_sync,exchange_topk1",
+        "compressors": (
+            "identity,fp16,topk1,topk0.1,qsgd4,compute,compute_sync,exchange_topk1,loop_topk1"
+        ),
         "out": "outputs/network_bench",
     },
     "accuracy": {
@@ -164,8 +166,8 @@ def throughput_jobs(args: argparse.Namespace, shaped: bool, tmp: str, rows: list
             f"[job {number}/{len(jobs)}] {backend} {model} {rate}: {args.np} processes", flush=True
         )
         results = os.path.join(tmp, f"job{number}.jsonl")
-        # the overlap probes take Horovod's collective apart; MWMS jobs run compressors only
-        names = [c for c in args.compressors if backend == "horovod" or c not in PROBES]
+        # each backend runs the compressors and its own probes
+        names = [c for c in args.compressors if c not in PROBES or c in BACKEND_PROBES[backend]]
         worker_args = [
             *("--backend", backend, "--model", model, "--rate", rate, "--results", results),
             *("--compressors", ",".join(names), "--batch", str(args.batch)),
@@ -249,6 +251,7 @@ def write(args: argparse.Namespace, records: list, note: str, complete: bool) ->
         data["rows"] = rows = report.with_ratios(records)
         table = report.throughput_markdown(rows, args.rates, args.compressors)
         table += report.overlap_markdown(rows, args.rates)
+        table += report.fit_markdown(rows, args.rates)
     else:
         data["records"] = records
         table = report.accuracy_markdown(records, args.target)

@@ -14,8 +14,12 @@ compressor at the end to ``--results``.
   same and then all-reduces one float, so its ranks run in lockstep as every synchronous step
   does (each waits for the slower one); ``exchange_topk1`` only moves payloads of TopK 1%'s
   shapes through the same collective (one all-gather per bucket).
-- mwms: a custom loop (``strategy.run`` + ``apply_gradients``) around
-  ``tf_sparsify.SparsifiedOptimizer``; Keras 3's ``model.fit`` does not run under this strategy.
+- mwms: ``model.fit`` with ``tf_sparsify.SparsifiedOptimizer`` compiled into a model made
+  under ``MultiWorkerMirroredStrategy`` (one ``fit`` call of ``--window`` steps per window, on a
+  dataset whose global batch, ``--batch`` rows per worker, is sharded over the workers).
+- mwms probes: ``compute`` fits a local model with a local Keras SGD (no exchange);
+  ``loop_topk1`` is TopK 1% in a custom loop (``strategy.run`` + ``apply_gradients``), the
+  way to train before ``fit`` ran under this strategy.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from benchmarks.network.affinity import pin_to_rank_cores  # noqa: E402
 pin_to_rank_cores()  # before TensorFlow starts its thread pools
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_sparsify as tfs  # noqa: E402
@@ -51,11 +56,21 @@ SEED = 0
 
 @dataclass
 class Trainer:
-    """One compressor's model and optimizer; ``step()`` runs one training step to completion."""
+    """One compressor's model and optimizer; ``run(n)`` trains ``n`` steps to completion."""
 
     compressor: str
-    step: Callable[[], float]
+    run: Callable[[int], None]
     optimizer: tfs.SparsifiedOptimizer
+
+
+def one_by_one(step: Callable[[], float]) -> Callable[[int], None]:
+    """``run(n)`` from a callable that trains one step."""
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            step()
+
+    return run
 
 
 def loss_fn() -> keras.losses.Loss:
@@ -77,7 +92,7 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]
         optimizer = th.DistributedOptimizer(keras.optimizers.SGD(args.lr), compressor)
         if name == "exchange_topk1":
             optimizer.build(model.trainable_variables)
-            trainers.append(Trainer(name, exchange_only(optimizer), optimizer))
+            trainers.append(Trainer(name, one_by_one(exchange_only(optimizer)), optimizer))
             continue
         local = name in ("compute", "compute_sync")
         if local:  # trains locally; the unused exchange optimizer only counts 0
@@ -91,7 +106,7 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]
                 hvd.allreduce(tf.zeros([]), name="lockstep")
             return loss
 
-        trainers.append(Trainer(name, step, optimizer))
+        trainers.append(Trainer(name, one_by_one(step), optimizer))
     return hvd.rank(), hvd.size(), trainers
 
 
@@ -126,24 +141,49 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]:
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.timeout)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     rank, size = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
-    x, y = synthetic_batch(args.model, args.image_size, args.batch, seed=1 + rank)
-    x, y = tf.constant(x), tf.constant(y)
+    batches = [synthetic_batch(args.model, args.image_size, args.batch, 1 + r) for r in range(size)]
+    # every worker builds the global batch; fit shards it, worker r gets rows of batch r
+    x, y = (tf.constant(np.concatenate(parts)) for parts in zip(*batches, strict=True))
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
     trainers = []
     for name in args.compressors.split(","):
+        compressor = make_compressor("topk1" if name in PROBES else name)
         with strategy.scope():
             model = make_model(args.model, args.image_size, SEED)
-            optimizer = tfs.SparsifiedOptimizer(
-                keras.optimizers.SGD(args.lr), make_compressor(name)
-            )
-            optimizer.build(model.trainable_variables)
-        trainers.append(Trainer(name, mwms_step(strategy, model, optimizer, x, y), optimizer))
+            optimizer = tfs.SparsifiedOptimizer(keras.optimizers.SGD(args.lr), compressor)
+        if name == "loop_topk1":
+            local = tf.constant(batches[rank][0]), tf.constant(batches[rank][1])
+            run = one_by_one(loop_step(strategy, model, optimizer, *local))
+        elif name == "compute":
+            with strategy.scope():
+                optimizer.build(model.trainable_variables)  # unused: its counters read 0
+            local_model = make_model(args.model, args.image_size, SEED)
+            local_model.compile(keras.optimizers.SGD(args.lr), loss_fn())
+            local_data = tf.data.Dataset.from_tensors(batches[rank]).repeat()
+            run = fit_steps(local_model, local_data)
+        else:
+            with strategy.scope():
+                model.compile(optimizer, loss_fn())
+            run = fit_steps(model, dataset)
+        trainers.append(Trainer(name, run, optimizer))
     return rank, size, trainers
 
 
-def mwms_step(strategy, model, optimizer, x, y) -> Callable[[], float]:
-    """One synchronous training step under ``strategy`` as a callable returning the loss."""
+def fit_steps(model: keras.Model, dataset: tf.data.Dataset) -> Callable[[int], None]:
+    """``run(n)``: one ``model.fit`` call of ``n`` steps."""
+
+    def run(steps: int) -> None:
+        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+
+    return run
+
+
+def loop_step(strategy, model, optimizer, x, y) -> Callable[[], float]:
+    """One synchronous custom-loop step under ``strategy``, returning the loss."""
     loss_of = loss_fn()
     variables = model.trainable_variables
+    with strategy.scope():
+        optimizer.build(variables)
 
     def replica_step():
         with tf.GradientTape() as tape:
@@ -166,14 +206,12 @@ def timed_rounds(
 ) -> dict[str, list[float]]:
     """Warm every trainer up, then interleave timed windows; ms/step per window, by compressor."""
     for trainer in trainers:
-        for _ in range(args.warmup):
-            trainer.step()
+        trainer.run(args.warmup)
     windows: dict[str, list[float]] = {t.compressor: [] for t in trainers}
     for round_index in range(args.rounds):
         for trainer in trainers:
             start = time.perf_counter()
-            for _ in range(args.window):
-                trainer.step()
+            trainer.run(args.window)
             ms = 1e3 * (time.perf_counter() - start) / args.window
             windows[trainer.compressor].append(ms)
             emit(

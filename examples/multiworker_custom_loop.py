@@ -1,7 +1,7 @@
 """Compressed training with MultiWorkerMirroredStrategy: local worker processes, one CPU each.
 
-    python examples/multiworker_topk.py                  # 2 workers, all configurations
-    python examples/multiworker_topk.py --workers 3 --configs topk,qsgd --steps 20
+    python examples/multiworker_custom_loop.py                  # 2 workers, all configurations
+    python examples/multiworker_custom_loop.py --workers 3 --configs topk,qsgd --steps 20
 
 The launcher starts the workers as processes on localhost (free ports, a ``TF_CONFIG`` each, see
 :func:`tf_sparsify.distribute.run_local_workers`; a failed or stuck worker gets everyone killed),
@@ -12,8 +12,8 @@ data (rows ``index::P``, standardized) for every configuration: TopK with error 
 (int8 levels on the wire), TernGrad (packed uint8 codes) and TopK whose contributions are
 applied two steps late (``ServerOptimizer`` with ``DelayedGradients(2)``). Gradients travel as
 compressed payloads through tf.distribute's all-gather, the same path as under
-``MirroredStrategy``. The loop is a custom one (``strategy.run`` + ``apply_gradients``): Keras
-3's ``model.fit`` does not run under MultiWorkerMirroredStrategy (keras-team/keras#20585).
+``MirroredStrategy``. The loop is a custom one (``strategy.run`` + ``apply_gradients``), for
+those who write their own; ``examples/multiworker_fit.py`` trains with ``model.fit``.
 """
 
 from __future__ import annotations
