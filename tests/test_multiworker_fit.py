@@ -182,3 +182,22 @@ def test_the_fit_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "all workers identical" in proc.stdout
     assert "2 workers, topk" in proc.stdout and "epoch 2: loss" in proc.stdout
+
+
+def test_unseeded_shuffled_arrays_warn():
+    out = run_python(
+        """
+        import warnings, numpy as np, tensorflow as tf
+        from tf_sparsify.keras import multi_worker
+        x = np.zeros((4, 2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            multi_worker._warn_if_shuffles_may_differ((x,), {})
+            multi_worker._warn_if_shuffles_may_differ((x,), {"shuffle": False})
+            multi_worker._warn_if_shuffles_may_differ((tf.data.Dataset.range(3),), {})
+            tf.random.set_seed(1)
+            multi_worker._warn_if_shuffles_may_differ((x,), {})
+        print("WARNINGS", len(caught), "set_random_seed" in str(caught[0].message))
+        """
+    )
+    assert "WARNINGS 1 True" in out

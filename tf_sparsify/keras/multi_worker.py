@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,8 @@ def _repairing(method: Callable, name: str) -> Callable:
         strategy = self.distribute_strategy
         if not (applies_to(self) and is_multi_worker(strategy)):
             return method(self, *args, **kwargs)
+        if name == "fit":
+            _warn_if_shuffles_may_differ(args, kwargs)
         folders = _give_backups_own_folders(kwargs.get("callbacks"), worker_index(strategy))
         token = _repaired_call.set(True)
         try:
@@ -96,6 +99,20 @@ def _repairing(method: Callable, name: str) -> Callable:
         return result
 
     return wrapper
+
+
+def _warn_if_shuffles_may_differ(args: tuple, kwargs: dict) -> None:
+    """Arrays shuffled by ``fit`` are sharded after each worker shuffles them: without a global
+    seed the workers' orders differ and an epoch sees some rows twice and others never."""
+    x = kwargs.get("x", args[0] if args else None)
+    shuffled = kwargs.get("shuffle", True) and not isinstance(x, tf.data.Dataset)
+    if x is not None and shuffled and tf.compat.v1.get_seed(None)[0] is None:
+        warnings.warn(
+            "model.fit shuffles its arrays on every worker before sharding them: seed every worker "
+            "alike (keras.utils.set_random_seed) or pass shuffle=False, else the workers' "
+            "shards overlap.",
+            stacklevel=3,
+        )
 
 
 def _give_backups_own_folders(callbacks, index: int) -> list[str]:
