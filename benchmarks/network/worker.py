@@ -16,7 +16,9 @@ compressor at the end to ``--results``.
   shapes through the same collective (one all-gather per bucket).
 - mwms: ``model.fit`` with ``tf_sparsify.SparsifiedOptimizer`` compiled into a model made
   under ``MultiWorkerMirroredStrategy`` (one ``fit`` call of ``--window`` steps per window, on a
-  dataset whose global batch, ``--batch`` rows per worker, is sharded over the workers).
+  dataset whose global batch, ``--batch`` rows per worker, is sharded over the workers; a
+  window is timed from its first step's start to its last step's end, as a callback sees them,
+  without the call's set-up).
 - mwms probes: ``compute`` fits a local model with a local Keras SGD (no exchange);
   ``loop_topk1`` is TopK 1% in a custom loop (``strategy.run`` + ``apply_gradients``), the
   way to train before ``fit`` ran under this strategy.
@@ -56,21 +58,36 @@ SEED = 0
 
 @dataclass
 class Trainer:
-    """One compressor's model and optimizer; ``run(n)`` trains ``n`` steps to completion."""
+    """One compressor's model and optimizer; ``run(n)`` trains ``n`` steps to completion and
+    returns the seconds they took."""
 
     compressor: str
-    run: Callable[[int], None]
+    run: Callable[[int], float]
     optimizer: tfs.SparsifiedOptimizer
 
 
-def one_by_one(step: Callable[[], float]) -> Callable[[int], None]:
+def one_by_one(step: Callable[[], float]) -> Callable[[int], float]:
     """``run(n)`` from a callable that trains one step."""
 
-    def run(steps: int) -> None:
+    def run(steps: int) -> float:
+        start = time.perf_counter()
         for _ in range(steps):
             step()
+        return time.perf_counter() - start
 
     return run
+
+
+class StepClock(keras.callbacks.Callback):
+    """Seconds from the start of a ``fit`` call's first step to the end of its last (the
+    steps, without the call's own set-up: its dataset iterator and callbacks)."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seconds = time.perf_counter() - self.start
 
 
 def loss_fn() -> keras.losses.Loss:
@@ -169,11 +186,14 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]:
     return rank, size, trainers
 
 
-def fit_steps(model: keras.Model, dataset: tf.data.Dataset) -> Callable[[int], None]:
-    """``run(n)``: one ``model.fit`` call of ``n`` steps."""
+def fit_steps(model: keras.Model, dataset: tf.data.Dataset) -> Callable[[int], float]:
+    """``run(n)``: one ``model.fit`` call of ``n`` steps, timed from its first step's start to
+    its last step's end (a ``fit`` call's set-up is paid once per call, not per step)."""
+    clock = StepClock()
 
-    def run(steps: int) -> None:
-        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+    def run(steps: int) -> float:
+        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[clock])
+        return clock.seconds
 
     return run
 
@@ -210,9 +230,7 @@ def timed_rounds(
     windows: dict[str, list[float]] = {t.compressor: [] for t in trainers}
     for round_index in range(args.rounds):
         for trainer in trainers:
-            start = time.perf_counter()
-            trainer.run(args.window)
-            ms = 1e3 * (time.perf_counter() - start) / args.window
+            ms = 1e3 * trainer.run(args.window) / args.window
             windows[trainer.compressor].append(ms)
             emit(
                 {
