@@ -17,7 +17,8 @@ PRIVATE = re.compile(
     r"keras\.src|\._(iterations|trainable_variables|all_reduce_sum_gradients|var_key|"
     r"get_variable_index|check_variables_are_known|filter_empty_gradients|track_variable|"
     r"distribution_strategy|distribute_strategy|maybe_symbolic_build|symbolic_build|"
-    r"weights_path|training_metadata_path|prev_weights_path|prev_training_metadata_path)\b"
+    r"weights_path|training_metadata_path|prev_weights_path|prev_training_metadata_path|"
+    r"resolve_auto_jit_compile)\b"
 )
 
 

@@ -1,7 +1,7 @@
 """MultiWorkerMirroredStrategy: two real worker processes on localhost, against a hand-written loop.
 
-The workers run ``examples/multiworker_custom_loop.py`` (TopK + error feedback, QSGD with int8 payloads,
-TernGrad with uint8 payloads, TopK delayed by 2 steps). The reference recomputes the same
+The workers run ``examples/multiworker_custom_loop.py`` (TopK + error feedback, QSGD with int8
+payloads, TernGrad with uint8 payloads, TopK delayed by 2 steps). The reference recomputes the same
 training on one device with the compressors called directly: each worker's gradient of its
 scaled local loss, compressed with the worker's RNG key, decompressed, summed, applied by SGD.
 """

@@ -55,6 +55,7 @@ from tf_sparsify.compressors.protocol import (
 )
 from tf_sparsify.heuristics import clipping, momentum
 from tf_sparsify.heuristics.measure import STAT_NAMES, unit_stats
+from tf_sparsify.ops.xla import in_xla_context
 
 SCOPES = ("layer", "global")
 #: Default bucket size in bytes of dense gradient (as PyTorch DDP's bucket_cap_mb).
@@ -319,6 +320,12 @@ class GradientPipeline:
         """
         if self.momentum_correction > 0 and momenta is None:
             raise ValueError("Momentum correction is on: `momenta` must be given to step().")
+        if not self.compressor.runs_under_xla and in_xla_context():
+            raise ValueError(
+                f"{self.compressor!r} exchanges sizes that depend on the data, which XLA cannot "
+                "compile: compile the Keras model with `jit_compile=False` and do not use "
+                "tf.function(jit_compile=True) around the exchange."
+            )
         grads = self.prepare(grads, collective)
         replicas = Replicas(collective.num_replicas, collective.replica_id(), collective.divisor)
         buckets: dict[int, list[Message]] = {}

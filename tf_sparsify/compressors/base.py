@@ -82,6 +82,9 @@ class Compressor:
     #: a payload is a set of (flat index, value) entries, each index once: gathered payloads
     #: give them as :meth:`gathered_entries` (so a plain SGD step can apply them in place)
     sends_entries: ClassVar[bool] = False
+    #: every shape in the exchange is known when it is traced, so XLA (``jit_compile=True``)
+    #: can compile a step that uses the compressor
+    runs_under_xla: ClassVar[bool] = True
     _unkeyed_steps: tf.Variable | None = None
 
     def __init_subclass__(cls, **kwargs: Any):

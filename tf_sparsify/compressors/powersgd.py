@@ -20,6 +20,7 @@ from tf_sparsify.compressors.base import (
     rng_seed,
 )
 from tf_sparsify.compressors.protocol import SUM, Outcome, Protocol, Replicas, Transfer, scaled
+from tf_sparsify.ops import xla
 
 
 class PowerSGD(Compressor):
@@ -151,7 +152,7 @@ class PowerSGD(Compressor):
     def _warm_start(self, q: tf.Tensor, ctx: Context) -> tf.Tensor:
         """``q`` with its all-zero columns drawn standard normal from ``(seed, step, tensor)``."""
         key = rng_seed(self.seed, ctx.step, ctx.tensor_id)
-        fresh = tf.random.stateless_normal(q.shape, seed=key, dtype=q.dtype)
+        fresh = xla.stateless_normal(q.shape, key, q.dtype)
         empty = tf.reduce_all(tf.equal(q, 0), axis=0, keepdims=True)
         return tf.where(empty, fresh, q)
 

@@ -61,6 +61,7 @@ class QSGD(Compressor):
             minval=None,
             maxval=None,
             dtype=tf.int64,
+            alg="philox",  # the seed's Philox key as TF's kernels derive it, also under XLA
         )
         return ops.qsgd_quantize(tensor, self.levels, self.bucket_size or 0, key)
 

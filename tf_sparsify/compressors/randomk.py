@@ -18,6 +18,7 @@ from tf_sparsify.compressors.base import (
     ones_at,
     rng_seed,
 )
+from tf_sparsify.ops import xla
 
 
 class RandomK(Compressor):
@@ -57,12 +58,8 @@ class RandomK(Compressor):
         """The k shared flat indices for this step and tensor, ascending."""
         # The k largest of d i.i.d. uniform 31-bit keys are a uniform k-subset (ties have
         # probability ~ d^2 / 2^32 and go to the lowest index).
-        keys = tf.random.stateless_uniform(
-            [num_elements],
-            seed=rng_seed(self.seed, step, tensor_id),
-            dtype=tf.int32,
-            minval=0,
-            maxval=2**31 - 1,
+        keys = xla.stateless_uniform_int(
+            [num_elements], rng_seed(self.seed, step, tensor_id), maxval=2**31 - 1
         )
         picked = tf.math.top_k(keys, k=self.num_selected(num_elements), sorted=False).indices
         return tf.sort(picked)

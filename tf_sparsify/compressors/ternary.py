@@ -14,6 +14,7 @@ from tf_sparsify.compressors.base import (
     check_seed,
     rng_seed,
 )
+from tf_sparsify.ops import xla
 
 
 class TernGrad(Compressor):
@@ -42,8 +43,8 @@ class TernGrad(Compressor):
         flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
         scale = tf.maximum(tf.reduce_max(tf.abs(flat)), 0.0)  # 0 if empty; NaN passes
         safe = tf.where(scale > 0, scale, 1.0)
-        u = tf.random.stateless_uniform(
-            tf.shape(flat), seed=rng_seed(self.seed, ctx.step, ctx.tensor_id, replica_id)
+        u = xla.stateless_uniform(
+            [ctx.num_elements], rng_seed(self.seed, ctx.step, ctx.tensor_id, replica_id)
         )
         keep = u < tf.abs(flat) / safe
         code = tf.where(keep, tf.where(flat < 0, 0, 2), 1)  # -1, 0, +1 stored as 0, 1, 2

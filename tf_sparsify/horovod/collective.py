@@ -14,7 +14,8 @@ What Horovod 0.28.1 takes, and what this collective does about the rest:
 - integer ``Average`` truncates, so only ``Sum`` is used; the pipeline divides by ``divisor``.
 - XLA (``jit_compile=True``) cannot compile Horovod's ops (their XLA kernels are not built
   against TF 2.21): a collective made in an XLA context raises a ValueError that says to
-  compile with ``jit_compile=False``.
+  compile with ``jit_compile=False`` (:func:`reject_xla`, also called by the optimizer, the
+  tape and the ``compression=`` classes before anything else).
 """
 
 from __future__ import annotations
@@ -22,13 +23,24 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
 from tf_sparsify.collectives import Collective
 from tf_sparsify.horovod._hvd import hvd
+from tf_sparsify.ops.xla import in_xla_context
 
 _REDUCIBLE = (tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64)
 _GATHERABLE = (*_REDUCIBLE, tf.uint16, tf.int16, tf.bool)
+
+
+def reject_xla() -> None:
+    """ValueError naming ``jit_compile=False`` when traced for XLA, where Horovod's ops cannot
+    run (instead of XLA's own error about unsupported operations, after tracing)."""
+    if in_xla_context():
+        raise ValueError(
+            "Horovod's collectives do not run under XLA: compile the Keras model with "
+            "`jit_compile=False` and do not use tf.function(jit_compile=True) around the "
+            "exchange."
+        )
 
 
 class HorovodCollective(Collective):
@@ -57,12 +69,7 @@ class HorovodCollective(Collective):
         process_set: hvd.ProcessSet | None = None,
         divisor: float | None = None,
     ):
-        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-            raise ValueError(
-                "Horovod's collectives do not run under XLA: compile the Keras model with "
-                "`jit_compile=False` (its default 'auto' turns XLA on where a GPU is visible) "
-                "and do not use tf.function(jit_compile=True) around the exchange."
-            )
+        reject_xla()
         self._set = hvd.global_process_set if process_set is None else process_set
         self.num_replicas = self._set.size()
         self.divisor = float(self.num_replicas if divisor is None else divisor)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_sparsify.compressors import BF16, FP16, Compressor, Context, RandomK, TopK
+from tf_sparsify.horovod.collective import reject_xla
 
 
 class _Hook:
@@ -26,6 +27,7 @@ class _Hook:
         self.codec = codec
 
     def compress(self, tensor: tf.Tensor) -> tuple[tf.Tensor, Context | None]:
+        reject_xla()  # Horovod's all-reduce of the result would fail under XLA
         tensor = tf.convert_to_tensor(tensor)
         if not tensor.dtype.is_floating:
             return tensor, None
@@ -104,6 +106,7 @@ class TopKCompression(_Hook):
         super().__init__(TopK(ratio=ratio, k=k))
 
     def compress(self, tensor: tf.Tensor) -> tuple[tf.Tensor, Context | None]:
+        reject_xla()  # Horovod's all-reduce of the result would fail under XLA
         tensor = tf.convert_to_tensor(tensor)
         if not tensor.dtype.is_floating:
             return tensor, None

@@ -11,6 +11,7 @@ from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.horovod.check import check_once, plan_fields
+from tf_sparsify.horovod.collective import reject_xla
 from tf_sparsify.horovod.hierarchy import HierarchicalState, horovod_collective
 from tf_sparsify.keras import compat
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
@@ -31,7 +32,9 @@ class DistributedOptimizer(SparsifiedOptimizer):
     compare fingerprints of their plans; ranks configured differently get an
     ``InvalidArgumentError`` naming what differs (see :mod:`tf_sparsify.horovod.check`).
 
-    Compile with ``jit_compile=False`` (Horovod's ops do not run under XLA). With mixed
+    Horovod's ops do not run under XLA: Keras' default ``jit_compile="auto"`` resolves to
+    ``False`` for a model compiled with this optimizer, and ``jit_compile=True`` fails at the
+    first step with a ValueError that says to pass ``jit_compile=False``. With mixed
     precision, put the ``LossScaleOptimizer`` inside (``DistributedOptimizer(
     LossScaleOptimizer(SGD()), ...)``) and compile with ``auto_scale_loss=False``: an outer
     one decides on each rank's own gradients whether to step, and ranks that decide
@@ -89,7 +92,13 @@ class DistributedOptimizer(SparsifiedOptimizer):
         and all-gather inside its node."""
         return None if self.ranks_per_node is None else self._within_bytes
 
+    @property
+    def runs_under_xla(self) -> bool:
+        """Never: Horovod's ops have no XLA kernels here."""
+        return False
+
     def collective(self) -> Collective:
+        reject_xla()  # first: the plan check below already builds Horovod ops
         fields = plan_fields(self.pipeline, self.units, self.ranks_per_node)
         gate = check_once(self._plan_checked, fields)
         return horovod_collective(self._state, gate, self._horovod_bytes, self._within_bytes)

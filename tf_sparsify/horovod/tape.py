@@ -25,6 +25,7 @@ import tensorflow as tf
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.horovod.check import check_once, plan_fields
+from tf_sparsify.horovod.collective import reject_xla
 from tf_sparsify.horovod.hierarchy import HierarchicalState, horovod_collective
 from tf_sparsify.pipeline import GradientPipeline
 from tf_sparsify.state import ExchangeState, StateViews
@@ -133,6 +134,7 @@ class GradientExchange(StateViews, tf.Module):
         ``None`` gradients stay ``None`` (their variables' state is left alone). Residuals and
         momenta are written only when the step was finite on every rank.
         """
+        reject_xla()
         grads, variables = list(grads), list(variables)
         self._build(variables)
         fields = plan_fields(self.pipeline, self._state.units, self.ranks_per_node)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import keras
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.trainers import trainer as base_trainer
 from keras.src.utils import tracking
 
 #: Decorator: attributes set inside the method are not tracked as Keras dependencies.
@@ -60,6 +61,8 @@ def check() -> None:
         for name in TRAINER_ENTRY_POINTS + _TRAINER_INTERNALS
         if not callable(getattr(tf_trainer.TensorFlowTrainer, name, None))
     ]
+    if not callable(getattr(base_trainer.Trainer, "_resolve_auto_jit_compile", None)):
+        missing.append("Trainer._resolve_auto_jit_compile (model.compile's jit_compile='auto')")
     if not callable(getattr(tf_trainer, "reduce_per_replica", None)):
         missing.append("keras.src.backend.tensorflow.trainer.reduce_per_replica")
     backup = keras.callbacks.BackupAndRestore("probe")
@@ -165,6 +168,13 @@ def wrap_trainer(entry_point, build_from_batch, reduce_per_replica) -> None:
         setattr(trainer, name, entry_point(getattr(trainer, name), name))
     trainer._maybe_symbolic_build = build_from_batch(trainer._maybe_symbolic_build)
     tf_trainer.reduce_per_replica = reduce_per_replica(tf_trainer.reduce_per_replica)
+
+
+def wrap_auto_jit_compile(wrapper) -> None:
+    """How ``model.compile`` resolves ``jit_compile="auto"`` (a method of the model, called
+    after ``model.optimizer`` is set) becomes ``wrapper(method)``."""
+    trainer = base_trainer.Trainer
+    trainer._resolve_auto_jit_compile = wrapper(trainer._resolve_auto_jit_compile)
 
 
 def symbolic_build(model, data_batch) -> None:

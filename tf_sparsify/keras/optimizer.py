@@ -337,6 +337,12 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             "gradients are exchanged together before the inner optimizer's update_step runs."
         )
 
+    @property
+    def runs_under_xla(self) -> bool:
+        """Whether XLA can compile a step of this optimizer (Keras' ``jit_compile="auto"``
+        resolves to ``False`` where it cannot: :mod:`tf_sparsify.keras.auto_jit`)."""
+        return self.compressor.runs_under_xla
+
     def collective(self) -> Collective:
         """How this step's payloads travel: tf.distribute's replica context, or nowhere.
 

@@ -33,15 +33,16 @@ _DENSE_OPTIONS = (
 
 def applies_in_place(optimizer: keras.optimizers.Optimizer, variables: Sequence) -> bool:
     """Whether ``optimizer``'s step on ``variables`` is plain SGD that the compiled CPU kernel
-    reproduces (outside ``tf.distribute`` strategies, whose variables it cannot update, and on
-    machines without a GPU)."""
+    reproduces (outside ``tf.distribute`` strategies, whose variables it cannot update, on
+    machines without a GPU, and outside XLA, which runs no custom kernel and fuses the dense
+    update into one pass anyway)."""
     if type(optimizer) is not keras.optimizers.SGD:
         return False
     if any(getattr(optimizer, option) for option in _DENSE_OPTIONS):
         return False
     if tf.distribute.has_strategy() or tf.config.list_logical_devices("GPU"):
         return False
-    if not ops.is_compiled():
+    if not ops.is_compiled() or ops.in_xla_context():
         return False
     return all(
         v.constraint is None and not getattr(v, "overwrite_with_gradient", False) for v in variables

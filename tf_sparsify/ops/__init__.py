@@ -4,8 +4,11 @@ Elias-Fano code of TopK's indices and a plain SGD step from sparse updates.
 Each function runs the compiled kernels (built by ``python -m tf_sparsify.ops.build``, loaded by
 :mod:`tf_sparsify.ops.library`) when they load, and otherwise the pure-TF reference in
 :mod:`tf_sparsify.ops.reference`, which gives identical results, with a one-time warning. With
-``TF_SPARSIFY_REQUIRE_OPS=1`` a missing library raises RuntimeError instead. Arguments are
-checked here for both paths; invalid ones raise InvalidArgumentError naming the argument.
+``TF_SPARSIFY_REQUIRE_OPS=1`` a missing library raises RuntimeError instead. Traced for XLA
+(``jit_compile=True``, see :mod:`tf_sparsify.ops.xla`), where no custom kernel can run, the
+reference runs silently (also under ``TF_SPARSIFY_REQUIRE_OPS=1``), without the run-time check
+of ``scatter_sum``'s indices (XLA raises no errors at run time). Arguments are checked here for
+both paths; invalid ones raise InvalidArgumentError naming the argument.
 
 Numerics shared by every path (CPU kernel, CUDA core, pure-TF reference on CPU, NumPy model):
 
@@ -34,11 +37,13 @@ import tensorflow as tf
 from tf_sparsify.ops import index_code, library, reference
 from tf_sparsify.ops.gpu import format_cuda
 from tf_sparsify.ops.numpy_reference import num_buckets
+from tf_sparsify.ops.xla import in_xla_context
 
 __all__ = [
     "OpsInfo",
     "decode_indices",
     "encode_indices",
+    "in_xla_context",
     "info",
     "is_compiled",
     "qsgd_dequantize",
@@ -67,8 +72,11 @@ _library()
 
 
 def _compiled() -> Any:
-    """The loaded op module, or None after warning once (error under TF_SPARSIFY_REQUIRE_OPS)."""
+    """The loaded op module; None under XLA (silently: the reference compiles there) or, after
+    warning once, when it did not load (error under TF_SPARSIFY_REQUIRE_OPS)."""
     global _warned
+    if in_xla_context():
+        return None
     lib = _library()
     if lib.module is not None:
         return lib.module

@@ -18,7 +18,7 @@ These define the semantics the compiled kernels must reproduce bit for bit:
 * ``scatter_sum``: ``dense[j]`` is the sum of the ``values[i]`` with ``indices[i] == j`` (0
   elsewhere), duplicates added in input order with the dtype's addition;
   ``tf.math.unsorted_segment_sum`` does exactly that on CPU. An index outside ``[0, n)`` is an
-  InvalidArgumentError.
+  InvalidArgumentError (under XLA, which cannot raise errors at run time, it is dropped).
 * ``hash_uniform``: a counter-based uniform in [0, 1) shared with the kernels, so the compiled
   QSGD and this reference give identical payloads for the same seed.
 
@@ -30,6 +30,9 @@ here make the reference follow the same policy on devices that keep denormals.
 from __future__ import annotations
 
 import tensorflow as tf
+
+from tf_sparsify.ops import numpy_reference
+from tf_sparsify.ops.xla import in_xla_context
 
 _MASKS = {
     tf.float16: (tf.int16, 0x7FFF),
@@ -83,9 +86,14 @@ def add(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
 
 def divide(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     """float32 ``a / b`` (normal or zero operands, ``b > 0``) whose result is flushed by the
-    FTZ rule: when its exact value is below ``F32_FLUSH_BELOW`` in magnitude."""
-    q = a / b
-    exact_below = tf.abs(tf.cast(a, tf.float64)) < tf.cast(b, tf.float64) * F32_FLUSH_BELOW
+    FTZ rule: when its exact value is below ``F32_FLUSH_BELOW`` in magnitude.
+
+    The quotient is taken in float64 and rounded once, which is float32's correctly rounded
+    quotient, also where XLA turns a division by a constant into a product with its inverse
+    (a float32 inverse would round differently)."""
+    wide_a, wide_b = tf.cast(a, tf.float64), tf.cast(b, tf.float64)
+    q = tf.cast(wide_a / wide_b, tf.float32)
+    exact_below = tf.abs(wide_a) < wide_b * F32_FLUSH_BELOW
     small = (tf.abs(q) < F32_TINY) | ((tf.abs(q) == F32_TINY) & exact_below)
     return tf.where(small, q * 0, q)
 
@@ -121,17 +129,41 @@ def topk_error_feedback(
         )
         with tf.control_dependencies([check]):
             keys = tf.identity(keys)
-    _, picked = tf.math.top_k(keys, k=k, sorted=True, index_type=index_type)
+    picked = _top_k_indices(flat, keys, k, index_type)
     indices = tf.sort(picked)
     values = tf.gather(flat, indices)
     new_flat = tf.tensor_scatter_nd_update(flat, tf.expand_dims(indices, 1), tf.zeros_like(values))
     return values, indices, tf.reshape(new_flat, tf.shape(acc))
 
 
+def _top_k_indices(
+    flat: tf.Tensor, keys: tf.Tensor, k: int | tf.Tensor, index_type: tf.DType
+) -> tf.Tensor:
+    """The indices of the ``k`` largest ``keys`` (:func:`magnitude_key` of ``flat``), ties to
+    the lowest index.
+
+    Under XLA, whose top-k sorts integer keys whole (25x slower than its float32 top-k on CPU),
+    16- and 32-bit tensors rank their magnitudes as float32 instead: the same order, ties
+    included, for every value but NaN (which the integer keys rank above Inf, and a float
+    top-k may not), so a tensor holding a NaN still takes the integer keys.
+    """
+    if not in_xla_context() or flat.dtype == tf.float64:
+        return tf.math.top_k(keys, k=k, sorted=True, index_type=index_type).indices
+    magnitudes = tf.abs(tf.cast(flat, tf.float32))
+    return tf.cond(
+        tf.reduce_any(tf.math.is_nan(magnitudes)),
+        lambda: tf.math.top_k(keys, k=k, sorted=True, index_type=index_type).indices,
+        lambda: tf.math.top_k(magnitudes, k=k, sorted=True, index_type=index_type).indices,
+    )
+
+
 def scatter_sum(values: tf.Tensor, indices: tf.Tensor, n: int | tf.Tensor) -> tf.Tensor:
     """Reference ScatterSum: ``tf.math.unsorted_segment_sum`` (input order on CPU) after a range
-    check naming the first index outside ``[0, n)`` (the segment sum drops negative ones)."""
+    check naming the first index outside ``[0, n)`` (the segment sum drops negative ones). XLA
+    has no run-time checks (nor string ops for the message): there the sum alone."""
     n = tf.cast(n, tf.int64)
+    if in_xla_context():
+        return tf.math.unsorted_segment_sum(values, indices, n)
     wide = tf.cast(indices, tf.int64)
     bad = tf.logical_or(wide < 0, wide >= n)
     # A sentinel entry keeps argmax and gather valid when there are no indices.
@@ -173,14 +205,26 @@ def level_dtype(levels: int) -> tf.DType:
     return tf.int8 if levels <= 127 else tf.int16
 
 
-def effective_bucket(n: tf.Tensor, bucket_size: int) -> tf.Tensor:
-    """Bucket length: ``min(bucket_size, n)``, the whole tensor for 0 (at least 1); int64."""
+def _size(x: tf.Tensor) -> int | tf.Tensor:
+    """The number of elements of ``x``: a Python int when its shape is static (always under
+    XLA, which needs pad widths and slice bounds as constants), else an int32 tensor."""
+    n = x.shape.num_elements()
+    return tf.size(x) if n is None else n
+
+
+def effective_bucket(n: int | tf.Tensor, bucket_size: int) -> int | tf.Tensor:
+    """Bucket length: ``min(bucket_size, n)``, the whole tensor for 0 (at least 1); a Python
+    int for a Python ``n``, else int64."""
+    if isinstance(n, int):
+        return numpy_reference.effective_bucket(n, bucket_size)
     n = tf.maximum(tf.cast(n, tf.int64), 1)
     return n if bucket_size == 0 else tf.minimum(tf.constant(bucket_size, tf.int64), n)
 
 
-def _bucketed(flat: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """``flat`` zero-padded to whole buckets of ``b``, shape ``[num_buckets, b]``."""
+def _bucketed(flat: tf.Tensor, b: int | tf.Tensor) -> tf.Tensor:
+    """The vector ``flat`` zero-padded to whole buckets of ``b``, shape ``[num_buckets, b]``."""
+    if isinstance(b, int):  # static sizes
+        return tf.reshape(tf.pad(flat, [[0, -_size(flat) % b]]), [-1, b])
     n = tf.size(flat, out_type=tf.int64)
     pad = (-n) % b
     return tf.reshape(tf.pad(flat, [[0, pad]]), tf.stack([-1, b]))
@@ -192,20 +236,28 @@ def _pow2_ceil(x: tf.Tensor) -> tf.Tensor:
     return p
 
 
+def _halve(s: tf.Tensor) -> tuple[tf.Tensor]:
+    """Adjacent columns of ``s`` ``[rows, even width]`` added: 0+1, 2+3, ..."""
+    shape = tf.shape(s)
+    pairs = tf.reshape(s, [shape[0], shape[1] // 2, 2])
+    return (pairs[:, :, 0] + pairs[:, :, 1],)
+
+
 def _pairwise_row_sums(x: tf.Tensor) -> tf.Tensor:
     """Row sums of ``x`` ``[rows, width]`` in a fixed order: zero-pad to a power-of-two width,
-    then add adjacent columns (0+1, 2+3, ...) until one is left."""
+    then add adjacent columns (0+1, 2+3, ...) until one is left (unrolled for a static width,
+    in a while loop otherwise)."""
+    width = x.shape[1]
+    if width is not None:
+        x = tf.pad(x, [[0, 0], [0, (1 << (width - 1).bit_length()) - width]])
+        while x.shape[1] > 1:
+            (x,) = _halve(x)
+        return x[:, 0]
     width = tf.shape(x, out_type=tf.int64)[1]
     x = tf.pad(x, [[0, 0], [0, _pow2_ceil(width) - width]])
-
-    def halve(s: tf.Tensor) -> tuple[tf.Tensor]:
-        shape = tf.shape(s)
-        pairs = tf.reshape(s, [shape[0], shape[1] // 2, 2])
-        return (pairs[:, :, 0] + pairs[:, :, 1],)
-
     (s,) = tf.while_loop(
         lambda s: tf.shape(s)[1] > 1,
-        halve,
+        _halve,
         (x,),
         shape_invariants=(tf.TensorShape([None, None]),),
     )
@@ -226,7 +278,7 @@ def qsgd_quantize(
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """Reference QSGD quantizer: ``(signed_levels, norms)``; see the module docstring."""
     flat = to_float32(tf.reshape(tensor, [-1]))
-    n = tf.size(flat)
+    n = _size(flat)
     buckets = _bucketed(flat, effective_bucket(n, bucket_size))
     norms = bucket_norms(buckets)
     safe = tf.where(norms > 0, norms, tf.ones_like(norms))
@@ -252,7 +304,7 @@ def qsgd_dequantize(
     """Reference QSGD decoder: ``signed_level * (norm_bucket / levels)`` in float32, clamped to
     ``dtype``'s largest finite magnitude, then rounded to ``dtype``."""
     q = tf.cast(signed_levels, tf.float32)
-    n = tf.size(q)
+    n = _size(q)
     scale = divide(flush(norms), tf.constant(float(levels)))
     scaled = _bucketed(q, effective_bucket(n, bucket_size)) * scale[:, None]
     top = OUTPUT_MAX[tf.as_dtype(dtype)]

@@ -1,0 +1,45 @@
+"""Keras' ``jit_compile="auto"`` for models whose optimizer step XLA cannot compile.
+
+``model.compile`` resolves ``"auto"`` to XLA where a GPU is visible and no ``tf.distribute``
+strategy is used. A :class:`~tf_sparsify.keras.SparsifiedOptimizer` whose step cannot run under
+XLA (``runs_under_xla`` False: Horovod's optimizer, a ``SparseAllReduce`` compressor) makes it
+resolve to ``False`` instead; ``jit_compile=True`` then fails at the first step with a
+ValueError naming ``jit_compile=False``. Every other model resolves as Keras decides.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tf_sparsify.keras import compat
+
+
+def needs_no_xla(optimizer) -> bool:
+    """Whether ``optimizer``, or an optimizer it wraps, cannot run under XLA."""
+    while optimizer is not None:
+        if getattr(optimizer, "runs_under_xla", True) is False:
+            return True
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False
+
+
+def install() -> None:
+    """Make Keras resolve ``"auto"`` to ``False`` for a model whose optimizer
+    :func:`needs_no_xla` (once per process)."""
+    if _installed:
+        return
+
+    def wrap(resolve):
+        @functools.wraps(resolve)
+        def resolve_auto_jit_compile(model) -> bool:
+            if needs_no_xla(getattr(model, "optimizer", None)):
+                return False
+            return resolve(model)
+
+        return resolve_auto_jit_compile
+
+    compat.wrap_auto_jit_compile(wrap)
+    _installed.append(True)
+
+
+_installed: list[bool] = []
