@@ -21,6 +21,7 @@ from tf_sparsify.keras import (
     DensityWarmup,
     SparsifiedOptimizer,
 )
+from tf_sparsify.options import ExchangeOptions
 from tf_sparsify.pipeline import GradientPipeline
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "CompressionStats",
     "Compressor",
     "DensityWarmup",
+    "ExchangeOptions",
     "GradientPipeline",
     "Identity",
     "PowerSGD",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -37,7 +38,6 @@ from tf_sparsify.compressors.base import (
     Payload,
     check_contraction,
     check_float,
-    check_positive_int,
     dtype_bytes,
     serialize,
 )
@@ -56,10 +56,7 @@ from tf_sparsify.compressors.protocol import (
 from tf_sparsify.heuristics import clipping, momentum
 from tf_sparsify.heuristics.measure import STAT_NAMES, unit_stats
 from tf_sparsify.ops.xla import in_xla_context
-
-SCOPES = ("layer", "global")
-#: Default bucket size in bytes of dense gradient (as PyTorch DDP's bucket_cap_mb).
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+from tf_sparsify.options import ExchangeOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,79 +155,42 @@ class GradientPipeline:
     """Plans messages for a list of variables and runs one exchange step.
 
     Args:
-        compressor: the compressor for tensors of at least ``min_size`` entries.
-        error_feedback: keep residuals; ``None`` means on for biased compressors.
-        scope: ``"layer"`` compresses each tensor alone, ``"global"`` all tensors of one dtype
-            flattened together.
-        min_size: tensors with fewer entries travel uncompressed, without memory.
-        skip_1d: tensors of rank 0 or 1 (biases, normalization scales) also travel
-            uncompressed, without memory.
-        momentum_correction: DGC momentum correction with momentum factor masking, with this
-            momentum factor in [0, 1); 0 is off. Needs a momentum buffer per variable (see
-            :mod:`tf_sparsify.heuristics.momentum`); the inner optimizer should then be plain SGD.
-        local_clipnorm: clip each replica's gradients by their joint norm before accumulation,
-            the threshold scaled by ``1/sqrt(num_replicas)`` (see
-            :mod:`tf_sparsify.heuristics.clipping`); ``None`` is off. It needs the norm of all
-            gradients, so no bucket can start before the last gradient is ready.
-        bucket_bytes: units travel in buckets of about this many bytes of dense gradient, in
-            backprop order (``None``: :data:`DEFAULT_BUCKET_BYTES`); a bucket is closed once it
-            holds that many bytes or more.
+        compressor: the compressor for tensors that are compressed (see ``options``).
+        options: an :class:`~tf_sparsify.options.ExchangeOptions`, or its fields as keyword
+            arguments (``error_feedback``, ``scope``, ``min_size``, ``skip_1d``,
+            ``momentum_correction``, ``local_clipnorm``, ``bucket_bytes``). They read as
+            attributes of the pipeline (``pipeline.scope``), ``error_feedback`` resolved.
     """
 
     def __init__(
-        self,
-        compressor: Compressor,
-        error_feedback: bool | None = None,
-        scope: str = "layer",
-        min_size: int = 0,
-        skip_1d: bool = False,
-        momentum_correction: float = 0.0,
-        local_clipnorm: float | None = None,
-        bucket_bytes: int | None = None,
+        self, compressor: Compressor, options: ExchangeOptions | None = None, **kwargs: Any
     ):
         if not isinstance(compressor, Compressor):
             raise ValueError(
                 f"`compressor` must be a tf_sparsify Compressor; received compressor={compressor!r}"
             )
-        if scope not in SCOPES:
-            raise ValueError(f"`scope` must be one of {SCOPES}; received scope={scope!r}")
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-            raise ValueError(f"`min_size` must be an integer >= 0; received min_size={min_size!r}")
-        if error_feedback is not None and not isinstance(error_feedback, bool):
+        if options is None:
+            options = ExchangeOptions.take(kwargs)
+        elif not isinstance(options, ExchangeOptions):
+            raise ValueError(f"`options` must be an ExchangeOptions; received options={options!r}")
+        if kwargs:
             raise ValueError(
-                "`error_feedback` must be True, False or None; "
-                f"received error_feedback={error_feedback!r}"
+                f"GradientPipeline got unknown arguments {sorted(kwargs)}; its options are "
+                f"{ExchangeOptions.names()}"
             )
         self.compressor = compressor
-        self.error_feedback = (
-            (not compressor.unbiased) if error_feedback is None else error_feedback
-        )
-        self.scope = scope
-        self.min_size = min_size
-        if not isinstance(skip_1d, bool):
-            raise ValueError(f"`skip_1d` must be True or False; received skip_1d={skip_1d!r}")
-        self.skip_1d = skip_1d
-        self.momentum_correction = momentum.check_momentum(momentum_correction)
-        _check_compressor_options(compressor, scope, self.momentum_correction)
-        self.local_clipnorm = clipping.check_clipnorm(local_clipnorm)
-        self.bucket_bytes = (
-            DEFAULT_BUCKET_BYTES
-            if bucket_bytes is None
-            else check_positive_int("bucket_bytes", bucket_bytes)
-        )
+        self.options = options.for_compressor(compressor)
+
+    def __getattr__(self, name: str) -> Any:
+        """The options read as attributes (``pipeline.error_feedback``, resolved)."""
+        options = self.__dict__.get("options")
+        if options is not None and name in ExchangeOptions.names():
+            return getattr(options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def with_compressor(self, compressor: Compressor) -> GradientPipeline:
         """The same pipeline with another compressor (error feedback as resolved here)."""
-        return GradientPipeline(
-            compressor,
-            self.error_feedback,
-            self.scope,
-            self.min_size,
-            skip_1d=self.skip_1d,
-            momentum_correction=self.momentum_correction,
-            local_clipnorm=self.local_clipnorm,
-            bucket_bytes=self.bucket_bytes,
-        )
+        return GradientPipeline(compressor, self.options)
 
     # -- planning (static, from shapes) -------------------------------------------------------
     def plan(self, shapes: Sequence[tf.TensorShape], dtypes: Sequence[tf.DType]) -> list[Unit]:
@@ -495,42 +455,7 @@ class GradientPipeline:
         return tf.cond(tf.convert_to_tensor(flag, tf.bool), compute, skip)
 
     def get_config(self) -> dict:
-        return {
-            "compressor": serialize(self.compressor),
-            "error_feedback": self.error_feedback,
-            "scope": self.scope,
-            "min_size": self.min_size,
-            # options added later appear only when set, so older configs stay as they were
-            **({"skip_1d": True} if self.skip_1d else {}),
-            **(
-                {"momentum_correction": self.momentum_correction}
-                if self.momentum_correction
-                else {}
-            ),
-            **({"local_clipnorm": self.local_clipnorm} if self.local_clipnorm is not None else {}),
-            **(
-                {"bucket_bytes": self.bucket_bytes}
-                if self.bucket_bytes != DEFAULT_BUCKET_BYTES
-                else {}
-            ),
-        }
-
-
-def _check_compressor_options(compressor: Compressor, scope: str, momentum: float) -> None:
-    """ValueError for options a compressor cannot honour: ``scope="global"`` for a shape-aware
-    one, momentum correction for one that runs its own exchange (it reports no sent entries
-    to mask the momentum at, and keeps no momentum buffers)."""
-    if scope == "global" and compressor.shape_aware:
-        raise ValueError(
-            f"`scope='global'` joins the gradients into one flat vector, but {compressor!r} "
-            "compresses each tensor by its shape: use scope='layer'."
-        )
-    if momentum > 0 and compressor.custom_exchange:
-        raise ValueError(
-            f"`momentum_correction` masks the momentum where a payload sent entries; "
-            f"{compressor!r} runs its own exchange, which sends no such entries and keeps no "
-            "momentum buffers: use the inner optimizer's momentum (momentum_correction=0)."
-        )
+        return {"compressor": serialize(self.compressor), **self.options.get_config()}
 
 
 def bytes_per_step(units: Sequence[Unit]) -> tuple[int, int]:

@@ -10,9 +10,8 @@ import tensorflow as tf
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
-from tf_sparsify.horovod.check import check_once, plan_fields
-from tf_sparsify.horovod.collective import reject_xla
-from tf_sparsify.horovod.hierarchy import HierarchicalState, horovod_collective
+from tf_sparsify.horovod.hierarchy import HierarchicalState
+from tf_sparsify.horovod.link import HorovodLink
 from tf_sparsify.keras import compat
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 
@@ -62,35 +61,29 @@ class DistributedOptimizer(SparsifiedOptimizer):
                 self.pipeline, self._make_variable, ranks_per_node, step=self._state.step
             )
             self._state.enable_diagnostics(every)
-        self._plan_checked = None
-        self._horovod_bytes = None
-        self._within_bytes = None
+        self._link = HorovodLink(ranks_per_node)
 
     @compat.no_automatic_dependency_tracking
     def build(self, var_list):
         super().build(var_list)
-        # Local state, deliberately outside the optimizer's variables and checkpoints.
-        with tf.init_scope():
-            self._plan_checked = tf.Variable(False, trainable=False, name="plan_checked")
-            self._horovod_bytes = tf.Variable(0, dtype=tf.int64, trainable=False)
-            self._within_bytes = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._link.build()
 
     @property
     def bytes_to_horovod(self) -> tf.Variable:
         """Payload bytes this process has handed to Horovod's collectives (not checkpointed);
         with ``ranks_per_node``, the bytes that crossed nodes."""
-        return self._horovod_bytes
+        return self._link.horovod_bytes
 
     @property
     def bytes_across_nodes(self) -> tf.Variable | None:
         """With ``ranks_per_node``: the payload bytes this process sent across nodes."""
-        return None if self.ranks_per_node is None else self._horovod_bytes
+        return self._link.bytes_across_nodes
 
     @property
     def bytes_within_nodes(self) -> tf.Variable | None:
         """With ``ranks_per_node``: the dense bytes this process handed to the reduce-scatter
         and all-gather inside its node."""
-        return None if self.ranks_per_node is None else self._within_bytes
+        return self._link.bytes_within_nodes
 
     @property
     def runs_under_xla(self) -> bool:
@@ -98,15 +91,11 @@ class DistributedOptimizer(SparsifiedOptimizer):
         return False
 
     def collective(self) -> Collective:
-        reject_xla()  # first: the plan check below already builds Horovod ops
-        fields = plan_fields(self.pipeline, self.units, self.ranks_per_node)
-        gate = check_once(self._plan_checked, fields)
-        return horovod_collective(self._state, gate, self._horovod_bytes, self._within_bytes)
+        return self._link.collective(self._state)
 
     def set_compressor(self, compressor: Compressor) -> None:
         super().set_compressor(compressor)
-        if self._plan_checked is not None:
-            self._plan_checked.assign(False)
+        self._link.recheck()
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

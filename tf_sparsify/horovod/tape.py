@@ -19,14 +19,15 @@ saves its residuals and step), and each step's tape is wrapped around it::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
-from tf_sparsify.horovod.check import check_once, plan_fields
 from tf_sparsify.horovod.collective import reject_xla
-from tf_sparsify.horovod.hierarchy import HierarchicalState, horovod_collective
+from tf_sparsify.horovod.hierarchy import HierarchicalState
+from tf_sparsify.horovod.link import HorovodLink
 from tf_sparsify.pipeline import GradientPipeline
 from tf_sparsify.state import ExchangeState, StateViews
 
@@ -46,38 +47,24 @@ class GradientExchange(StateViews, tf.Module):
     variables; its first call in each process runs the ranks' configuration check (also after
     a restore from a checkpoint).
 
-    Args: as :class:`~tf_sparsify.pipeline.GradientPipeline` (``compressor=None`` is
-    ``Identity()``), plus ``diagnostics_every`` (record the norm gap, residual norm and density
-    every that many steps in :attr:`diagnostics`; 0 is off) and ``ranks_per_node`` (the
-    hierarchical exchange, as in :class:`~tf_sparsify.horovod.DistributedOptimizer`; its
-    byte counters are ``bytes_across_nodes`` and ``bytes_within_nodes``).
+    Args: a compressor (``None`` is ``Identity()``) and the exchange options
+    (:class:`~tf_sparsify.options.ExchangeOptions`) as keyword arguments, plus
+    ``diagnostics_every`` (record the norm gap, residual norm and density every that many
+    steps in :attr:`diagnostics`; 0 is off) and ``ranks_per_node`` (the hierarchical exchange,
+    as in :class:`~tf_sparsify.horovod.DistributedOptimizer`; its byte counters are
+    ``bytes_across_nodes`` and ``bytes_within_nodes``).
     """
 
     def __init__(
         self,
         compressor: Compressor | None = None,
-        error_feedback: bool | None = None,
-        scope: str = "layer",
-        min_size: int = 0,
-        skip_1d: bool = False,
-        local_clipnorm: float | None = None,
-        momentum_correction: float = 0.0,
-        bucket_bytes: int | None = None,
         diagnostics_every: int = 0,
         ranks_per_node: int | None = None,
         name: str | None = None,
+        **options: Any,
     ):
         super().__init__(name=name)
-        pipeline = GradientPipeline(
-            Identity() if compressor is None else compressor,
-            error_feedback,
-            scope,
-            min_size,
-            skip_1d=skip_1d,
-            momentum_correction=momentum_correction,
-            local_clipnorm=local_clipnorm,
-            bucket_bytes=bucket_bytes,
-        )
+        pipeline = GradientPipeline(Identity() if compressor is None else compressor, **options)
         #: the state's variables in the order they were made (what checkpoints hold)
         self._state_variables: list[tf.Variable] = []
         self.ranks_per_node = ranks_per_node
@@ -88,9 +75,11 @@ class GradientExchange(StateViews, tf.Module):
         )
         self._state.step = self._make_variable("step", (), tf.int64, "shared")
         self._state.enable_diagnostics(diagnostics_every)
-        # The plan and per-process state, kept out of checkpoints (a plain object is not
-        # tracked by tf.Module).
-        self._local = _Untracked()
+        # The variables' signature and the per-process state, kept out of checkpoints (plain
+        # objects are not tracked by tf.Module).
+        self._signature: list | None = None
+        self._link = HorovodLink(ranks_per_node)
+        self._link.build()
 
     def _make_variable(self, name: str, shape, dtype, kind: str) -> tf.Variable:
         del kind  # one process is one replica: every variable is its own
@@ -109,15 +98,15 @@ class GradientExchange(StateViews, tf.Module):
 
     @property
     def bytes_to_horovod(self) -> tf.Variable:
-        return self._local.horovod_bytes
+        return self._link.horovod_bytes
 
     @property
     def bytes_across_nodes(self) -> tf.Variable | None:
-        return None if self.ranks_per_node is None else self._local.horovod_bytes
+        return self._link.bytes_across_nodes
 
     @property
     def bytes_within_nodes(self) -> tf.Variable | None:
-        return None if self.ranks_per_node is None else self._local.within_bytes
+        return self._link.bytes_within_nodes
 
     def needs_state(self) -> bool:
         """Whether this exchange must outlive one tape: it keeps residuals or momenta, or
@@ -137,19 +126,15 @@ class GradientExchange(StateViews, tf.Module):
         reject_xla()
         grads, variables = list(grads), list(variables)
         self._build(variables)
-        fields = plan_fields(self.pipeline, self._state.units, self.ranks_per_node)
-        gate = check_once(self._local.checked, fields)
-        local = self._local
-        collective = horovod_collective(self._state, gate, local.horovod_bytes, local.within_bytes)
-        return self._state.run(grads, collective).updates
+        return self._state.run(grads, self._link.collective(self._state)).updates
 
     def _build(self, variables: list) -> None:
         signature = [(list(v.shape), tf.as_dtype(v.dtype).name) for v in variables]
-        if self._local.signature is not None:
-            if signature != self._local.signature:
+        if self._signature is not None:
+            if signature != self._signature:
                 raise ValueError(
                     "This GradientExchange was built for other variables "
-                    f"({self._local.signature}); received {signature}. Use one exchange per "
+                    f"({self._signature}); received {signature}. Use one exchange per "
                     "list of variables."
                 )
             return
@@ -157,7 +142,7 @@ class GradientExchange(StateViews, tf.Module):
             self._state.set_pipeline(self.pipeline, variables)
         else:
             self._state.build(variables)
-        self._local.signature = signature
+        self._signature = signature
 
 
 class DistributedGradientTape:
@@ -175,13 +160,11 @@ class DistributedGradientTape:
         self,
         tape: tf.GradientTape,
         compressor: Compressor | None = None,
-        error_feedback: bool | None = None,
-        scope: str = "layer",
-        min_size: int = 0,
         exchange: GradientExchange | None = None,
+        **options: Any,
     ):
         if exchange is None:
-            exchange = GradientExchange(compressor, error_feedback, scope, min_size)
+            exchange = GradientExchange(compressor, **options)
             if exchange.needs_state():
                 raise ValueError(
                     f"compressor={exchange.pipeline.compressor!r} with "
@@ -190,8 +173,10 @@ class DistributedGradientTape:
                     "`exchange = tf_sparsify.horovod.GradientExchange(compressor, ...)` once and "
                     "pass `exchange=exchange`."
                 )
-        elif compressor is not None:
-            raise ValueError("Give `compressor` or `exchange`, not both (the exchange has one).")
+        elif compressor is not None or options:
+            raise ValueError(
+                "Give `compressor` and options, or `exchange`, not both (the exchange has them)."
+            )
         self._tape = tape
         self.exchange = exchange
 
@@ -213,13 +198,3 @@ class DistributedGradientTape:
 
     def __getattr__(self, name: str):
         return getattr(self._tape, name)
-
-
-class _Untracked:
-    """The variables' signature, and the per-process check flag and Horovod byte counters."""
-
-    def __init__(self):
-        self.signature: list | None = None
-        self.checked = tf.Variable(False, trainable=False, name="plan_checked")
-        self.horovod_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="horovod_bytes")
-        self.within_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="within_bytes")

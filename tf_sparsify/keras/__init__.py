@@ -1,12 +1,9 @@
 """Keras front end: the optimizer wrapper and its callbacks."""
 
-from tf_sparsify.keras import auto_jit
 from tf_sparsify.keras.callbacks import CompressionStats
 from tf_sparsify.keras.diagnostics import CompressionDiagnostics, plot_diagnostics
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer, find_sparsified
 from tf_sparsify.keras.warmup import DensityWarmup
-
-auto_jit.install()
 
 __all__ = [
     "CompressionDiagnostics",

@@ -10,7 +10,8 @@ import tensorflow as tf
 
 from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
-from tf_sparsify.keras import compat, multi_worker, replica_values, sparse_sgd
+from tf_sparsify.keras import auto_jit, compat, multi_worker, replica_values, sparse_sgd
+from tf_sparsify.options import ExchangeOptions
 from tf_sparsify.pipeline import GradientPipeline, SparseUpdate, StepResult
 from tf_sparsify.state import ExchangeState, StateViews
 
@@ -65,18 +66,13 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             rate, schedule, clipping, weight decay, EMA, accumulation and loss scale factor
             work as usual and act on that update).
         compressor: a :class:`~tf_sparsify.compressors.Compressor`.
-        error_feedback: keep residuals; default on for biased compressors, off for unbiased.
-        scope: ``"layer"`` (per tensor) or ``"global"`` (all tensors of a dtype together).
-        min_size: tensors with fewer entries travel uncompressed.
-        skip_1d: tensors of rank 0 or 1 (biases, normalization scales) travel uncompressed.
-        momentum_correction: DGC momentum correction with momentum factor masking, with this
-            momentum factor (0 = off). Momentum then happens on each replica before
-            compression, so the inner optimizer must not add its own: an inner ``SGD`` with
-            ``momentum > 0`` is rejected, other inner optimizers get a warning. Momentum
+        **options: how gradients are exchanged: the fields of
+            :class:`~tf_sparsify.options.ExchangeOptions` (``error_feedback``, ``scope``,
+            ``min_size``, ``skip_1d``, ``momentum_correction``, ``local_clipnorm``,
+            ``bucket_bytes``). With ``momentum_correction`` momentum happens on each replica
+            before compression, so the inner optimizer must not add its own: an inner ``SGD``
+            with ``momentum > 0`` is rejected, other inner optimizers get a warning; momentum
             buffers are per-replica optimizer variables like the residuals.
-        local_clipnorm: clip each replica's gradients by their joint norm before they are
-            accumulated, scaled by ``1/sqrt(num_replicas)`` so the averaged update is bounded
-            by about this value (DGC's local clipping); ``None`` is off.
         diagnostics_every: every this many steps, record the norm gap, residual norm and
             density of the step in ``diagnostics`` (0 = off; the
             :class:`~tf_sparsify.keras.CompressionDiagnostics` callback turns it on itself).
@@ -115,17 +111,11 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         self,
         inner_optimizer: keras.optimizers.Optimizer,
         compressor: Compressor,
-        error_feedback: bool | None = None,
-        scope: str = "layer",
-        min_size: int = 0,
         name: str | None = None,
-        skip_1d: bool = False,
-        momentum_correction: float = 0.0,
-        local_clipnorm: float | None = None,
         diagnostics_every: int = 0,
-        bucket_bytes: int | None = None,
         **kwargs: Any,
     ):
+        options = ExchangeOptions.take(kwargs)
         for option in _BASE_OPTIONS:
             if option in kwargs:
                 raise ValueError(
@@ -142,17 +132,9 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             )
         super().__init__(learning_rate=0.0, name=name)
         multi_worker.install()
+        auto_jit.install()
         self.inner_optimizer = inner_optimizer
-        pipeline = GradientPipeline(
-            compressor,
-            error_feedback,
-            scope,
-            min_size,
-            skip_1d=skip_1d,
-            momentum_correction=momentum_correction,
-            local_clipnorm=local_clipnorm,
-            bucket_bytes=bucket_bytes,
-        )
+        pipeline = GradientPipeline(compressor, options)
         if pipeline.momentum_correction > 0:
             _check_no_inner_momentum(inner_optimizer)
         self._state = ExchangeState(

@@ -1,0 +1,122 @@
+"""``ExchangeOptions``: how gradients are exchanged, besides the compressor, declared once.
+
+Every front end (``SparsifiedOptimizer`` and its subclasses, Horovod's ``DistributedOptimizer``
+and ``GradientExchange``) takes these as keyword arguments and hands them here; the pipeline
+reads them from here, and configs are written from here. A new option is one field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tf_sparsify.compressors.base import Compressor, check_positive_int
+from tf_sparsify.heuristics import clipping, momentum
+
+SCOPES = ("layer", "global")
+#: Default bucket size in bytes of dense gradient (as PyTorch DDP's bucket_cap_mb).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+#: options written to configs only when they differ from their default (added after the
+#: first release, so older configs stay as they were)
+_WRITTEN_WHEN_SET = ("skip_1d", "momentum_correction", "local_clipnorm", "bucket_bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeOptions:
+    """How gradients are exchanged, besides the compressor.
+
+    Args:
+        error_feedback: keep residuals; ``None`` means on for biased compressors (resolved by
+            :meth:`for_compressor`).
+        scope: ``"layer"`` compresses each tensor alone, ``"global"`` all tensors of one dtype
+            flattened together.
+        min_size: tensors with fewer entries travel uncompressed, without memory.
+        skip_1d: tensors of rank 0 or 1 (biases, normalization scales) also travel
+            uncompressed, without memory.
+        momentum_correction: DGC momentum correction with momentum factor masking, with this
+            momentum factor in [0, 1); 0 is off (see :mod:`tf_sparsify.memory`).
+        local_clipnorm: clip each replica's gradients by their joint norm before accumulation,
+            the threshold scaled by ``1/sqrt(num_replicas)`` (see
+            :mod:`tf_sparsify.heuristics.clipping`); ``None`` is off. It needs the norm of all
+            gradients, so no bucket can start before the last gradient is ready.
+        bucket_bytes: units travel in buckets of about this many bytes of dense gradient, in
+            backprop order (``None``: :data:`DEFAULT_BUCKET_BYTES`).
+    """
+
+    error_feedback: bool | None = None
+    scope: str = "layer"
+    min_size: int = 0
+    skip_1d: bool = False
+    momentum_correction: float = 0.0
+    local_clipnorm: float | None = None
+    bucket_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
+            raise ValueError(
+                "`error_feedback` must be True, False or None; "
+                f"received error_feedback={self.error_feedback!r}"
+            )
+        if self.scope not in SCOPES:
+            raise ValueError(f"`scope` must be one of {SCOPES}; received scope={self.scope!r}")
+        size = self.min_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"`min_size` must be an integer >= 0; received min_size={size!r}")
+        if not isinstance(self.skip_1d, bool):
+            raise ValueError(f"`skip_1d` must be True or False; received skip_1d={self.skip_1d!r}")
+        self._set("momentum_correction", momentum.check_momentum(self.momentum_correction))
+        self._set("local_clipnorm", clipping.check_clipnorm(self.local_clipnorm))
+        bucket = self.bucket_bytes
+        self._set(
+            "bucket_bytes",
+            DEFAULT_BUCKET_BYTES if bucket is None else check_positive_int("bucket_bytes", bucket),
+        )
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names, as front ends take them."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def take(cls, kwargs: dict[str, Any]) -> ExchangeOptions:
+        """The options among ``kwargs``, removed from it (a front end's other arguments stay)."""
+        return cls(**{name: kwargs.pop(name) for name in cls.names() if name in kwargs})
+
+    def for_compressor(self, compressor: Compressor) -> ExchangeOptions:
+        """These options with ``error_feedback`` resolved for ``compressor`` (on for biased
+        ones), checked against what it can honour."""
+        resolved = self
+        if self.error_feedback is None:
+            resolved = dataclasses.replace(self, error_feedback=not compressor.unbiased)
+        _check_compressor(compressor, resolved)
+        return resolved
+
+    def get_config(self) -> dict[str, Any]:
+        """The options as a config: the first ones always, later ones only when set."""
+        config = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            default = DEFAULT_BUCKET_BYTES if field.name == "bucket_bytes" else field.default
+            if field.name not in _WRITTEN_WHEN_SET or value != default:
+                config[field.name] = value
+        return config
+
+
+def _check_compressor(compressor: Compressor, options: ExchangeOptions) -> None:
+    """ValueError for options a compressor cannot honour: ``scope="global"`` for a shape-aware
+    one, momentum correction for one that runs its own exchange (it reports no sent entries
+    to mask the momentum at, and keeps no momentum buffers)."""
+    if options.scope == "global" and compressor.shape_aware:
+        raise ValueError(
+            f"`scope='global'` joins the gradients into one flat vector, but {compressor!r} "
+            "compresses each tensor by its shape: use scope='layer'."
+        )
+    if options.momentum_correction > 0 and compressor.custom_exchange:
+        raise ValueError(
+            f"`momentum_correction` masks the momentum where a payload sent entries; "
+            f"{compressor!r} runs its own exchange, which sends no such entries and keeps no "
+            "momentum buffers: use the inner optimizer's momentum (momentum_correction=0)."
+        )
