@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import tf_sparsify as tfs
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
-from tf_sparsify.keras.optimizer import _BASE_OPTIONS
+from tf_sparsify.keras.inner_options import INNER_OPTIONS
 
 rng = np.random.default_rng(1)
 X = rng.normal(size=(64, 8)).astype("float32")
@@ -105,7 +105,7 @@ def test_server_optimizer_global_scope_trains_the_variables_that_have_gradients(
 
 
 # -- 2. Keras parity -------------------------------------------------------------------------------
-@pytest.mark.parametrize("option", _BASE_OPTIONS)
+@pytest.mark.parametrize("option", INNER_OPTIONS)
 @pytest.mark.parametrize("value", [None, 0.99, 2])
 def test_base_options_on_the_wrapper_are_rejected_whatever_their_value(option, value):
     with pytest.raises(ValueError, match=f"does not take `{option}`.*{option}={value!r}"):

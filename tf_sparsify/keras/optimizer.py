@@ -10,49 +10,21 @@ import tensorflow as tf
 
 from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
-from tf_sparsify.keras import auto_jit, compat, multi_worker, replica_values, sparse_sgd
+from tf_sparsify.keras import (
+    auto_jit,
+    compat,
+    inner_options,
+    multi_worker,
+    replica_values,
+    sparse_sgd,
+)
 from tf_sparsify.options import ExchangeOptions
 from tf_sparsify.pipeline import GradientPipeline, SparseUpdate, StepResult
 from tf_sparsify.state import ExchangeState, StateViews
 
-_BASE_OPTIONS = (
-    "weight_decay",
-    "clipnorm",
-    "clipvalue",
-    "global_clipnorm",
-    "use_ema",
-    "ema_momentum",
-    "ema_overwrite_frequency",
-    "loss_scale_factor",
-    "gradient_accumulation_steps",
-)
-
-
-class _InnerOption:
-    """An option of the inner optimizer, read and written through the wrapper.
-
-    Keras' own wrappers (``LossScaleOptimizer``, ``MultiOptimizer``) and callbacks
-    (``SwapEMAWeights``) read and set these on the optimizer they hold; the wrapper passes them
-    on so they reach the optimizer that applies the update. Writes before the inner optimizer is
-    attached (the defaults Keras' constructor sets) are ignored.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj, objtype=None):
-        if obj is None:
-            return self
-        inner = obj.__dict__.get("inner_optimizer")
-        return None if inner is None else getattr(inner, self.name)
-
-    def __set__(self, obj, value) -> None:
-        inner = obj.__dict__.get("inner_optimizer")
-        if inner is not None:
-            setattr(inner, self.name, value)
-
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
+@inner_options.read_through
 class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     """Wraps any Keras 3 optimizer; each replica compresses its own gradient.
 
@@ -97,16 +69,6 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     (``LossScaleOptimizer``, ``MultiOptimizer``, ``SwapEMAWeights``) act on the inner optimizer.
     """
 
-    weight_decay = _InnerOption()
-    clipnorm = _InnerOption()
-    clipvalue = _InnerOption()
-    global_clipnorm = _InnerOption()
-    use_ema = _InnerOption()
-    ema_momentum = _InnerOption()
-    ema_overwrite_frequency = _InnerOption()
-    loss_scale_factor = _InnerOption()
-    gradient_accumulation_steps = _InnerOption()
-
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
@@ -116,7 +78,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         **kwargs: Any,
     ):
         options = ExchangeOptions.take(kwargs)
-        for option in _BASE_OPTIONS:
+        for option in inner_options.INNER_OPTIONS:
             if option in kwargs:
                 raise ValueError(
                     f"SparsifiedOptimizer does not take `{option}` (received "

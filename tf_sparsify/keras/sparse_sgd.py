@@ -16,18 +16,13 @@ import keras
 import tensorflow as tf
 
 from tf_sparsify import ops
+from tf_sparsify.keras.inner_options import INNER_OPTIONS
 from tf_sparsify.pipeline import SparseUpdate
 
-#: inner options under which the update is no longer ``var -= learning_rate * update``
-_DENSE_OPTIONS = (
-    "momentum",
-    "weight_decay",
-    "clipnorm",
-    "clipvalue",
-    "global_clipnorm",
-    "use_ema",
-    "loss_scale_factor",
-    "gradient_accumulation_steps",
+#: inner options under which the update is no longer ``var -= learning_rate * update`` (the
+#: EMA's own settings matter only with ``use_ema``)
+_DENSE_OPTIONS = ("momentum",) + tuple(
+    option for option in INNER_OPTIONS if option not in ("ema_momentum", "ema_overwrite_frequency")
 )
 
 
