@@ -8,10 +8,11 @@ reads them from here, and configs are written from here. A new option is one fie
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from tf_sparsify.compressors.base import Compressor, check_positive_int
-from tf_sparsify.heuristics import clipping, momentum
+from tf_sparsify.heuristics import clipping
 
 SCOPES = ("layer", "global")
 #: Default bucket size in bytes of dense gradient (as PyTorch DDP's bucket_cap_mb).
@@ -64,7 +65,7 @@ class ExchangeOptions:
             raise ValueError(f"`min_size` must be an integer >= 0; received min_size={size!r}")
         if not isinstance(self.skip_1d, bool):
             raise ValueError(f"`skip_1d` must be True or False; received skip_1d={self.skip_1d!r}")
-        self._set("momentum_correction", momentum.check_momentum(self.momentum_correction))
+        self._set("momentum_correction", _check_momentum(self.momentum_correction))
         self._set("local_clipnorm", clipping.check_clipnorm(self.local_clipnorm))
         bucket = self.bucket_bytes
         self._set(
@@ -103,6 +104,21 @@ class ExchangeOptions:
             if field.name not in _WRITTEN_WHEN_SET or value != default:
                 config[field.name] = value
         return config
+
+
+def _check_momentum(factor: Any) -> float:
+    """A momentum factor in ``[0, 1)``; 0 means off."""
+    if (
+        isinstance(factor, bool)
+        or not isinstance(factor, int | float)
+        or not math.isfinite(factor)
+        or not 0 <= factor < 1
+    ):
+        raise ValueError(
+            "`momentum_correction` must be a number in [0, 1); "
+            f"received momentum_correction={factor!r}"
+        )
+    return float(factor)
 
 
 def _check_compressor(compressor: Compressor, options: ExchangeOptions) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_sparsify import memory
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import (
     Compressor,
@@ -53,8 +54,9 @@ from tf_sparsify.compressors.protocol import (
     Transfer,
     scaled,
 )
-from tf_sparsify.heuristics import clipping, momentum
+from tf_sparsify.heuristics import clipping
 from tf_sparsify.heuristics.measure import STAT_NAMES, unit_stats
+from tf_sparsify.memory import UnitMemory
 from tf_sparsify.ops.xla import in_xla_context
 from tf_sparsify.options import ExchangeOptions
 
@@ -99,20 +101,16 @@ class Message:
     grad: tf.Tensor
     #: what is compressed with the residual: ``grad``, or the momentum-corrected gradient
     x: tf.Tensor
-    #: the residual before the step (error feedback), else ``None``
-    residual: tf.Tensor | None
+    #: the unit's memory before the step
+    before: UnitMemory
     payload: Payload
     ctx: Context
-    #: the new residual (error feedback), else ``None``
-    remainder: tf.Tensor | None = None
-    #: the new momentum buffer (momentum correction), else ``None``
-    momentum: tf.Tensor | None = None
-    #: the decompressed, averaged update (stacked over replicas with ``per_replica``)
-    update: tf.Tensor | None = None
-    #: the compressor state before the step, then after it (custom exchanges)
-    state: tuple[tf.Tensor, ...] = ()
     #: the exchange protocol driving this message's transfers
     protocol: Protocol | None = None
+    #: the unit's memory after the step (complete once the exchange is done)
+    after: UnitMemory = UnitMemory()
+    #: the decompressed, averaged update (stacked over replicas with ``per_replica``)
+    update: tf.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +130,7 @@ class SparseUpdate:
     scale: float
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepResult:
     """What one pipeline step produced; lists are aligned with the input gradients."""
 
@@ -292,31 +290,35 @@ class GradientPipeline:
         for index, unit in enumerate(units):
             sent = _with_gradients(unit, grads)
             if sent is not None:
-                state = () if states is None else tuple(states[index])
+                before = UnitMemory(
+                    _joined(residuals, sent.indices) if sent.error_feedback else None,
+                    _joined(momenta, sent.indices) if self.momentum_correction > 0 else None,
+                    () if states is None else tuple(states[index]),
+                )
                 message = self.compress(
-                    sent,
-                    grads,
-                    residuals,
-                    momenta,
-                    step,
-                    replicas,
-                    state,
-                    per_replica,
-                    sparse_updates,
+                    sent, grads, before, step, replicas, per_replica, sparse_updates
                 )
                 buckets.setdefault(unit.bucket, []).append(message)
-        finite = []
-        for bucket in buckets.values():  # each bucket depends only on its own gradients
-            finite.append(self.exchange(bucket, collective))
+        finite = [self.exchange(bucket, collective) for bucket in buckets.values()]
         messages = [m for bucket in buckets.values() for m in bucket]
-        result = _assemble(messages, len(grads), self.momentum_correction > 0, per_replica)
-        result.finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
-        result.states = [
-            next((m.state for m in messages if m.unit.indices == u.indices), None) for u in units
-        ]
-        if measure is not None:
-            result.stats = self.measure(units, messages, measure, step, replicas.replica_id)
-        return result
+        per_variable = _per_variable(messages, len(grads), per_replica)
+        return StepResult(
+            updates=per_variable["update"],
+            residuals=per_variable["residual"],
+            finite=tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True),
+            momenta=per_variable["momentum"] if self.momentum_correction > 0 else None,
+            stats=None
+            if measure is None
+            else self.measure(units, messages, measure, step, replicas.replica_id),
+            sent_bytes=bytes_per_step([m.unit for m in messages]),
+            states=[
+                next(
+                    (m.after.compressor_state for m in messages if m.unit.indices == u.indices),
+                    None,
+                )
+                for u in units
+            ],
+        )
 
     def prepare(
         self, grads: Sequence[tf.Tensor | None], collective: Collective
@@ -334,50 +336,44 @@ class GradientPipeline:
         self,
         unit: Unit,
         grads: Sequence[tf.Tensor | None],
-        residuals: Sequence[tf.Tensor | None],
-        momenta: Sequence[tf.Tensor | None] | None,
+        before: UnitMemory,
         step: tf.Tensor,
         replicas: Replicas,
-        state: tuple[tf.Tensor, ...] = (),
         per_replica: bool = False,
         sparse_update: bool = False,
     ) -> Message:
-        """Momentum correction, compensation with the residual and compression of one unit;
-        the message carries the protocol its payloads travel by (ending in a
-        :class:`SparseUpdate` with ``sparse_update`` when the unit is one variable whose
-        compressor sends entries)."""
+        """Momentum correction, compensation with the residual and compression of one unit
+        (the rules of :mod:`tf_sparsify.memory`); the message carries the protocol its
+        payloads travel by (ending in a :class:`SparseUpdate` with ``sparse_update`` when the
+        unit is one variable whose compressor sends entries)."""
         compressor = unit.compressor
         g = _join([grads[i] for i in unit.indices])
-        x, e, remainder = g, None, None
-        use_momentum = self.momentum_correction > 0
-        if use_momentum:
-            buffer = _join([momenta[i] for i in unit.indices])
-            x = momentum.accumulate_momentum(buffer, g, self.momentum_correction)
-        tensor_id = unit.indices[0]
-        if unit.error_feedback:
-            e = _join([residuals[i] for i in unit.indices])
+        x = g
+        if before.momentum is not None:
+            x = memory.accumulate_momentum(before.momentum, g, self.momentum_correction)
+        tensor_id, e = unit.indices[0], before.residual
         if compressor.custom_exchange:  # several rounds: compression happens inside
             ctx = Context(x.shape, x.dtype, step, tensor_id)
-            message = Message(unit, g, x, e, (), ctx, state=state)
-            message.protocol = compressor.protocol(x, e, state, ctx, replicas, per_replica)
-            return message
-        if unit.error_feedback:
-            payload, ctx, remainder = compressor.compress_with_feedback(
-                x, e, step, tensor_id, replicas.replica_id
+            protocol = compressor.protocol(
+                x, e, before.compressor_state, ctx, replicas, per_replica
+            )
+            return Message(unit, g, x, before, (), ctx, protocol)
+        remainder = None
+        if e is not None:
+            payload, ctx, remainder = memory.compress_with_feedback(
+                compressor, x, e, step, tensor_id, replicas.replica_id
             )
         else:
             payload, ctx = compressor.compress(x, step, tensor_id, replicas.replica_id)
-        new_momentum = None
-        if use_momentum:
-            new_momentum = x
-            if unit.error_feedback:
-                new_momentum = momentum.mask_momentum(x, compressor.sent_mask(payload, ctx))
-        kept = [t for t in (remainder, new_momentum) if t is not None]
+        after = memory.after_sending(
+            compressor, x, remainder, payload, ctx, before.momentum is not None
+        )
+        kept = memory.kept_tensors(after)
         if kept and not compressor.reveals_non_finite:
             # what this replica keeps would be non-finite: make the payload say so
             ok = tf.reduce_all(tf.stack([_all_finite(t) for t in kept]))
             payload = _mark(payload, ok)
-        message = Message(unit, g, x, e, payload, ctx, remainder, new_momentum)
+        message = Message(unit, g, x, before, payload, ctx, after=after)
         if sparse_update and not per_replica and _sends_entries(unit):
             message.protocol = _entries_round(message, replicas)
         else:
@@ -386,8 +382,8 @@ class GradientPipeline:
 
     def exchange(self, bucket: list[Message], collective: Collective) -> tf.Tensor:
         """Drive the bucket's protocols in lockstep: each round, one collective call per kind
-        carries every unit's transfer of that kind. Fills each message's ``update``,
-        ``remainder`` and ``state``; returns whether the tensors every replica shares are all
+        carries every unit's transfer of that kind. Fills each message's ``update`` and
+        completes its ``after`` memory; returns whether the tensors every replica shares are all
         finite (every replica computes the same answer)."""
         pending = {i: next(m.protocol) for i, m in enumerate(bucket)}
         shared: list[tf.Tensor] = []
@@ -404,9 +400,9 @@ class GradientPipeline:
                     del pending[i]
                     outcome: Outcome = done.value
                     m = bucket[i]
-                    m.update, m.state = outcome.update, outcome.state
-                    if m.remainder is None:
-                        m.remainder = outcome.remainder
+                    m.update = outcome.update
+                    residual = outcome.remainder if m.after.residual is None else m.after.residual
+                    m.after = m.after._replace(residual=residual, compressor_state=outcome.state)
                     shared += [t for t in outcome.shared if t.dtype.is_floating]
         checks = [_all_finite(t) for t in shared]
         return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
@@ -432,8 +428,8 @@ class GradientPipeline:
                     rows.append(tf.zeros([width], tf.float64))
                     continue
                 compressor = m.unit.compressor
-                acc = m.x if m.residual is None else m.x + m.residual
-                error = m.remainder
+                acc = m.x if m.before.residual is None else m.x + m.before.residual
+                error = m.after.residual
                 if compressor.custom_exchange:  # no local payload to decode: the residual only
                     error = tf.zeros_like(acc) if error is None else error
                     rows.append(unit_stats(m.grad, acc, error, tf.zeros_like(m.grad)))
@@ -495,25 +491,21 @@ def _in_buckets(units: list[Unit], bucket_bytes: int) -> list[Unit]:
     return [placed[u.indices] for u in sorted(units, key=lambda u: u.indices[0])]
 
 
-def _assemble(
-    messages: list[Message], count: int, with_momenta: bool, per_replica: bool
-) -> StepResult:
-    """Per-variable updates, residuals and momenta from the messages' joined tensors."""
-    updates: list[tf.Tensor | None] = [None] * count
-    residuals: list[tf.Tensor | None] = [None] * count
-    momenta: list[tf.Tensor | None] | None = [None] * count if with_momenta else None
+def _per_variable(
+    messages: list[Message], count: int, per_replica: bool
+) -> dict[str, list[tf.Tensor | None]]:
+    """Per-variable ``update``, ``residual`` and ``momentum`` lists from the messages' joined
+    tensors (``None`` where a variable had none)."""
+    out = {key: [None] * count for key in ("update", "residual", "momentum")}
     for m in messages:
         indices, shapes = m.unit.indices, m.unit.shapes
-        for i, part in zip(indices, _split(m.update, shapes, int(per_replica)), strict=True):
-            updates[i] = part
-        if m.remainder is not None:
-            for i, part in zip(indices, _split(m.remainder, shapes), strict=True):
-                residuals[i] = part
-        if m.momentum is not None:
-            for i, part in zip(indices, _split(m.momentum, shapes), strict=True):
-                momenta[i] = part
-    sent = bytes_per_step([m.unit for m in messages])
-    return StepResult(updates, residuals, tf.constant(True), momenta, sent_bytes=sent)
+        joined = {"update": m.update, "residual": m.after.residual, "momentum": m.after.momentum}
+        for key, tensor in joined.items():
+            if tensor is not None:
+                lead = int(per_replica) if key == "update" else 0
+                for i, part in zip(indices, _split(tensor, shapes, lead), strict=True):
+                    out[key][i] = part
+    return out
 
 
 def _one_round(m: Message, replicas: Replicas, per_replica: bool) -> Protocol:
@@ -563,6 +555,11 @@ def _transfer(
         splits = [transfer.splits for _, transfer in items for _ in transfer.tensors]
         results = iter(collective.all_to_all(tensors, splits))
     return {i: tuple(next(results) for _ in transfer.tensors) for i, transfer in items}
+
+
+def _joined(tensors: Sequence[tf.Tensor | None] | None, indices: tuple[int, ...]) -> tf.Tensor:
+    """The tensors of a unit's variables, joined."""
+    return _join([tensors[i] for i in indices])
 
 
 def _join(tensors: list[tf.Tensor]) -> tf.Tensor:

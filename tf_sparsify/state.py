@@ -3,9 +3,9 @@
 Every front end (the Keras wrapper, Horovod's ``DistributedOptimizer`` and
 ``GradientExchange``, ``ServerOptimizer``) keeps the same state: error-feedback residuals, DGC
 momentum buffers, the step counter that keys random choices, byte counters and the diagnostics
-record. This class owns it and its update: after each step the residuals and momenta are
-written only when the step was finite on every replica (nothing is lost, nothing is poisoned),
-the counters advance by what was actually sent. Front ends say only how a variable is made
+record. This class holds those variables and writes each step's result back by the rules of
+:mod:`tf_sparsify.memory` (residuals and momenta only when the step was finite on every
+replica); the counters advance by what was actually sent. Front ends say only how a variable is made
 (``make_variable``) and how payloads travel (a :class:`~tf_sparsify.collectives.Collective`).
 """
 
@@ -13,22 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
 
 import tensorflow as tf
 
+from tf_sparsify import memory
 from tf_sparsify.collectives import Collective, SimulatedWorker
 from tf_sparsify.heuristics.measure import STAT_NAMES
+from tf_sparsify.memory import VariableFactory
 from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
-
-#: ``"per_replica"``: each replica writes its own copy, summed when read across replicas
-#: (residuals, momenta); ``"per_replica_mean"``: the same, averaged (diagnostics);
-#: ``"replicated"``: each replica writes its own, identical copy (a custom exchange's state,
-#: agreed through its collectives; read as the first replica's); ``"shared"``: one value
-#: (counters; the first replica's).
-Kind = Literal["per_replica", "per_replica_mean", "replicated", "shared"]
-#: ``make_variable(name, shape, dtype, kind)``: a zero variable, tracked by the front end.
-VariableFactory = Callable[[str, tuple[int, ...], tf.DType, Kind], Any]
 
 
 class ExchangeState:
@@ -229,14 +221,7 @@ class ExchangeState:
         for variables, news in zip(self.states, result.states or [], strict=False):
             if news:
                 pairs += list(zip(variables, news, strict=True))
-        if pairs:
-
-            def store() -> tf.Tensor:
-                for variable, new in pairs:
-                    variable.assign(new)
-                return tf.constant(True)
-
-            tf.cond(result.finite, store, lambda: tf.constant(False))
+        memory.store_if_finite(pairs, result.finite)
         if record is not None:
             self.diagnostics.assign(
                 tf.where(record, result.stats, tf.convert_to_tensor(self.diagnostics))

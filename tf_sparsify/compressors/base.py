@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify import ops
+from tf_sparsify import memory, ops
 
 Payload = tuple[tf.Tensor, ...]
 
@@ -82,6 +82,9 @@ class Compressor:
     #: a payload is a set of (flat index, value) entries, each index once: gathered payloads
     #: give them as :meth:`gathered_entries` (so a plain SGD step can apply them in place)
     sends_entries: ClassVar[bool] = False
+    #: ``compress_compensated(tensor, residual, step, tensor_id, replica_id)`` compresses
+    #: ``tensor + residual`` and returns ``(payload, ctx, remainder)`` in one fused pass
+    fuses_feedback: ClassVar[bool] = False
     #: every shape in the exchange is known when it is traced, so XLA (``jit_compile=True``)
     #: can compile a step that uses the compressor
     runs_under_xla: ClassVar[bool] = True
@@ -119,13 +122,9 @@ class Compressor:
         tensor_id: int = 0,
         replica_id: tf.Tensor | int = 0,
     ) -> tuple[Payload, Context, tf.Tensor]:
-        """Compress ``acc = tensor + residual``: ``(payload, ctx, acc - decompress(payload))``.
-
-        Fused kernels override this to do it in one pass.
-        """
-        acc = tf.convert_to_tensor(tensor) + residual
-        payload, ctx = self.compress(acc, step, tensor_id, replica_id)
-        return payload, ctx, acc - self.decompress(payload, ctx)
+        """Compress ``acc = tensor + residual``: ``(payload, ctx, acc - decompress(payload))``
+        (the error-feedback rule of :mod:`tf_sparsify.memory`)."""
+        return memory.compress_with_feedback(self, tensor, residual, step, tensor_id, replica_id)
 
     def decompress_sum(self, gathered: Payload, ctx: Context, num_replicas: int) -> tf.Tensor:
         """Sum of the decompressed payloads of ``num_replicas`` replicas.

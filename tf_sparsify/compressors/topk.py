@@ -42,6 +42,7 @@ class TopK(Compressor):
     summable = False
     reveals_non_finite = True  # NaN and Inf rank above every finite value: they are sent
     sends_entries = True
+    fuses_feedback = True
 
     def __init__(
         self,
@@ -82,8 +83,9 @@ class TopK(Compressor):
             return dtype
         return tf.as_dtype(self.value_dtype)
 
-    def compress_with_feedback(self, tensor, residual, step=None, tensor_id=0, replica_id=0):
-        """The fused op, then the values' rounding error put back at their indices (O(k))."""
+    def compress_compensated(self, tensor, residual, step=None, tensor_id=0, replica_id=0):
+        """Error feedback in one pass (:mod:`tf_sparsify.memory`): the fused op, then the
+        values' rounding error put back at their indices (O(k))."""
         tensor, ctx = self._context(tensor, step, tensor_id)
         values, indices, new_residual = ops.topk_error_feedback(
             tensor, residual, self.num_selected(ctx.num_elements)

@@ -1,12 +1,12 @@
 """Practical TopK heuristics (DGC) and in-step measurements, each a small piece with one job.
 
 * :mod:`~tf_sparsify.heuristics.clipping`: local gradient clipping before accumulation.
-* :mod:`~tf_sparsify.heuristics.momentum`: momentum correction and momentum factor masking.
 * :mod:`~tf_sparsify.heuristics.warmup`: density warm-up schedules.
 * :mod:`~tf_sparsify.heuristics.measure`: norm gap, empirical beta, residual norm and density.
 
 The pipeline (:class:`~tf_sparsify.pipeline.GradientPipeline`) composes them, so every front end
-(Keras, tf.distribute, Horovod) gets them from one place.
+(Keras, tf.distribute, Horovod) gets them from one place. DGC's momentum correction and
+momentum factor masking are rules of the error memory: :mod:`tf_sparsify.memory`.
 """
 
 from tf_sparsify.heuristics.clipping import clip_by_local_norm, local_clip_threshold
@@ -17,24 +17,16 @@ from tf_sparsify.heuristics.measure import (
     summarize,
     unit_stats,
 )
-from tf_sparsify.heuristics.momentum import (
-    accumulate_momentum,
-    check_momentum,
-    mask_momentum,
-)
 from tf_sparsify.heuristics.warmup import DensitySchedule, dgc_density_schedule, with_density
 
 __all__ = [
     "STAT_NAMES",
     "DensitySchedule",
-    "accumulate_momentum",
     "beta_bound",
-    "check_momentum",
     "clip_by_local_norm",
     "dgc_density_schedule",
     "gap_bound",
     "local_clip_threshold",
-    "mask_momentum",
     "summarize",
     "unit_stats",
     "with_density",

@@ -38,8 +38,9 @@ from tf_sparsify.collectives import Collective, SimulatedWorker
 from tf_sparsify.compressors.base import check_positive_int
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.horovod.collective import HorovodCollective
+from tf_sparsify.memory import VariableFactory
 from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, mark_non_finite
-from tf_sparsify.state import ExchangeState, VariableFactory
+from tf_sparsify.state import ExchangeState
 
 
 @dataclasses.dataclass(frozen=True)
