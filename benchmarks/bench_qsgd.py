@@ -5,7 +5,7 @@ each n, ``levels:bucket_size`` configuration (bucket 0 = one bucket) and dtype (
 default), the best of ``--repeats`` runs of:
 
 * fused: ``tf_sparsify.ops.qsgd_quantize`` and ``qsgd_dequantize``;
-* TF composite: the same computation in TensorFlow ops (``tf_sparsify.ops.reference``);
+* TF composite: the same computation in TensorFlow ops (``tf_sparsify.ops.pure_tf``);
 * NumPy: the NumPy model of the op (``tf_sparsify.ops.numpy_reference``);
 * bandwidth: one pass reading the float32 input and writing an int8 payload
   (``np.copyto`` with an unsafe cast into an existing buffer).
@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import best_ms  # noqa: E402
 
 from tf_sparsify import ops  # noqa: E402
-from tf_sparsify.ops import numpy_reference, reference  # noqa: E402
+from tf_sparsify.ops import numpy_reference  # noqa: E402
+from tf_sparsify.ops import pure_tf as reference  # noqa: E402
 
 
 def run(n: int, levels: int, bucket: int, dtype: tf.DType, repeats: int) -> None:

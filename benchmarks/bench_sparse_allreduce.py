@@ -148,7 +148,7 @@ def worker(ratio: float, steps: int) -> None:
             grads = tape.gradient(loss, model.trainable_variables)
             before = (int(sent_var.numpy()), int(got_var.numpy()))
             collective = Counting(sent_var, got_var)
-            out = pipeline.step(units, grads, residuals, tf.constant(t, tf.int64), collective)
+            out = pipeline.run_step(units, grads, residuals, tf.constant(t, tf.int64), collective)
             residuals = out.residuals
             for w, u in zip(weights, out.updates, strict=True):
                 w.assign_sub(0.1 * u)

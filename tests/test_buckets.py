@@ -97,7 +97,7 @@ def traced_transfers(pipeline, units) -> tuple[list[list[tf.Tensor]], list[str]]
     @tf.function(input_signature=specs)
     def step(*grads):
         residuals = [tf.zeros(s) for s in SHAPES]
-        return pipeline.step(units, list(grads), residuals, tf.constant(0), collective).updates
+        return pipeline.run_step(units, list(grads), residuals, tf.constant(0), collective).updates
 
     step.get_concrete_function()
     return collective.calls, names

@@ -24,7 +24,7 @@ import tensorflow as tf
 import tf_sparsify.ops as ops
 from tests.conftest import DTYPES, KIND, UINT
 from tf_sparsify.ops import numpy_reference as npref
-from tf_sparsify.ops import reference
+from tf_sparsify.ops import pure_tf as reference
 from tf_sparsify.ops.paths import SOURCE_DIR
 
 TINY32 = 2.0**-126

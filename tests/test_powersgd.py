@@ -47,7 +47,7 @@ def local_run(pipeline: GradientPipeline, grads: list[np.ndarray], dtype=tf.floa
     states = zero_states(units)
     steps = []
     for t in range(grads[0].shape[0]):
-        out = pipeline.step(
+        out = pipeline.run_step(
             units,
             [tf.constant(g[t, 0], dtype) for g in grads],
             residuals,
@@ -71,7 +71,7 @@ def mirrored_run(strategy, pipeline: GradientPipeline, grads: list[np.ndarray]):
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
             r = ctx.replica_id_in_sync_group
-            out = pipeline.step(
+            out = pipeline.run_step(
                 units,
                 [x[r] for x in g],
                 [x[r] for x in e],
@@ -161,7 +161,7 @@ def test_warm_start_keeps_q_and_draws_only_its_zero_columns():
     units = pipeline.plan([(12, 5)], [tf.float64])
 
     def run(step, q):
-        out = pipeline.step(
+        out = pipeline.run_step(
             units,
             [tf.constant(g)],
             [None],
@@ -307,7 +307,7 @@ def test_bad_options_are_named():
     pipeline = GradientPipeline(tfs.PowerSGD(1))
     units = pipeline.plan([(12, 5)], [tf.float32])
     with pytest.raises(ValueError, match="per_replica"):
-        pipeline.step(
+        pipeline.run_step(
             units,
             [tf.ones((12, 5))],
             [tf.zeros((12, 5))],
@@ -317,7 +317,7 @@ def test_bad_options_are_named():
             states=zero_states(units),
         )
     with pytest.raises(ValueError, match="state"):  # a front end that keeps no Q
-        pipeline.step(units, [tf.ones((12, 5))], [tf.zeros((12, 5))], 0, LocalCollective())
+        pipeline.run_step(units, [tf.ones((12, 5))], [tf.zeros((12, 5))], 0, LocalCollective())
     opt = ServerOptimizer(keras.optimizers.SGD(0.1), tfs.PowerSGD(1), server=DelayedGradients(1))
     v = keras.Variable(tf.zeros((12, 5)))
     with pytest.raises(ValueError, match="per_replica"):

@@ -33,7 +33,7 @@ def local_run(compressor, grads: list[np.ndarray], dtype=tf.float32):
     residuals = [tf.zeros(s, dtype) for s in SHAPES]
     steps = []
     for t in range(grads[0].shape[0]):
-        out = pipeline.step(
+        out = pipeline.run_step(
             units,
             [tf.constant(g[t], dtype) for g in grads],
             residuals,
@@ -109,7 +109,7 @@ def test_per_replica_updates_and_compress_are_refused():
     pipeline = GradientPipeline(tfs.SparseAllReduce(k=2))
     units = pipeline.plan([(6, 5)], [tf.float32])
     with pytest.raises(ValueError, match="per_replica"):
-        pipeline.step(
+        pipeline.run_step(
             units, [tf.ones((6, 5))], [tf.zeros((6, 5))], 0, LocalCollective(), per_replica=True
         )
     opt = ServerOptimizer(

@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_sparsify as tfs
 from tf_sparsify import ops
 from tf_sparsify.keras import sparse_sgd
-from tf_sparsify.ops import reference
+from tf_sparsify.ops import pure_tf as reference
 
 SHAPE = (6, 7)
 N = 42

@@ -208,7 +208,9 @@ def test_two_replicas_gather_packed_payloads(mirrored2):
             ctx = tf.distribute.get_replica_context()
             r = ctx.replica_id_in_sync_group
             collective = ReplicaContextCollective(ctx)
-            out = pipeline.step(units, [grads[r]], [resid[r]], tf.constant(3, tf.int64), collective)
+            out = pipeline.run_step(
+                units, [grads[r]], [resid[r]], tf.constant(3, tf.int64), collective
+            )
             return out.updates[0], out.residuals[0]
 
         return mirrored2.run(replica_fn)
@@ -243,7 +245,7 @@ def test_feedback_keeps_the_rounding_error_exactly(value_dtype, dtype):
     for step in range(steps):
         scale = 10.0 ** rng.integers(-3, 4)
         grads = [tf.constant(rng.normal(size=s) * scale, dtype) for s in SHAPES]
-        out = pipeline.step(units, grads, residuals, step, LocalCollective())
+        out = pipeline.run_step(units, grads, residuals, step, LocalCollective())
         for i in range(len(SHAPES)):
             acc = (grads[i] + residuals[i]).numpy()
             largest = max(largest, float(np.abs(acc).max()))
@@ -289,7 +291,7 @@ def test_non_finite_values_pass_and_the_step_is_marked(value_dtype):
     np.testing.assert_array_equal(residual.numpy(), [1.0, 0.0, 3.0, 0.0])
     pipeline = GradientPipeline(comp)
     units = pipeline.plan([(4,)], [tf.float32])
-    out = pipeline.step(units, [g], [tf.zeros([4])], 0, LocalCollective())
+    out = pipeline.run_step(units, [g], [tf.zeros([4])], 0, LocalCollective())
     assert not bool(out.finite)
 
 

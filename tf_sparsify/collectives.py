@@ -65,7 +65,7 @@ class LocalCollective(Collective):
         return list(tensors)
 
 
-class SimulatedWorker(LocalCollective):
+class SimulatedWorkerCollective(LocalCollective):
     """Worker ``index`` of ``count`` simulated on one device: nothing travels, the RNG keys are
     the worker's own, and its contribution enters the update divided by ``count``."""
 

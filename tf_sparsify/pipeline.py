@@ -55,7 +55,7 @@ from tf_sparsify.compressors.protocol import (
     scaled,
 )
 from tf_sparsify.heuristics import clipping
-from tf_sparsify.heuristics.measure import STAT_NAMES, unit_stats
+from tf_sparsify.measurements import STAT_NAMES, unit_stats
 from tf_sparsify.memory import UnitMemory
 from tf_sparsify.ops.xla import in_xla_context
 from tf_sparsify.options import ExchangeOptions
@@ -118,7 +118,7 @@ class SparseUpdate:
     """An update that is zero except at some entries: ``scale`` times the sum over rows of
     ``values`` at the flat ``indices`` (both ``[replicas, k]``, each row strictly ascending).
 
-    ``step(..., sparse_updates=True)`` gives these for units of one variable whose compressor
+    ``run_step(..., sparse_updates=True)`` gives these for units of one variable whose compressor
     :attr:`~tf_sparsify.compressors.base.Compressor.sends_entries`, so that a plain SGD step
     applies them in place (:func:`tf_sparsify.ops.sparse_sgd_apply`) without building the
     dense update.
@@ -139,8 +139,8 @@ class StepResult:
     finite: tf.Tensor
     #: new momentum buffers (aligned like ``residuals``) when momentum correction is on.
     momenta: list[tf.Tensor | None] | None = None
-    #: ``[len(units), 5]`` float64 rows of :func:`tf_sparsify.heuristics.measure.unit_stats`
-    #: when ``step(..., measure=...)`` was given (zeros on steps where it was False).
+    #: ``[len(units), 5]`` float64 rows of :func:`tf_sparsify.measurements.unit_stats`
+    #: when ``run_step(..., measure=...)`` was given (zeros on steps where it was False).
     stats: tf.Tensor | None = None
     #: ``(wire bytes, dense bytes)`` this replica sent in the step (only variables with a
     #: gradient travel).
@@ -249,12 +249,12 @@ class GradientPipeline:
         return flags
 
     # -- one step ---------------------------------------------------------------------------
-    def step(
+    def run_step(
         self,
         units: Sequence[Unit],
         grads: Sequence[tf.Tensor | None],
         residuals: Sequence[tf.Tensor | None],
-        step: tf.Tensor,
+        iteration: tf.Tensor,
         collective: Collective,
         momenta: Sequence[tf.Tensor | None] | None = None,
         measure: tf.Tensor | bool | None = None,
@@ -264,8 +264,10 @@ class GradientPipeline:
     ) -> StepResult:
         """Exchange ``grads`` (aligned with the planned variables) and return the updates.
 
-        Variables whose gradient is ``None`` are left out of their unit (they keep their values,
-        and their residuals and momenta stay as they were); the others travel.
+        ``iteration``: the exchange's step counter, which keys random choices (with the
+        tensor's and replica's ids). Variables whose gradient is ``None`` are left out of their
+        unit (they keep their values, and their residuals and momenta stay as they were); the
+        others travel.
         ``momenta``: the momentum buffers, needed when momentum correction is on. ``measure``:
         when given, ``StepResult.stats`` holds this replica's measurements of the step, computed
         only where ``measure`` is True (a boolean tensor, e.g. every N steps). ``per_replica``:
@@ -277,7 +279,7 @@ class GradientPipeline:
         compressor sends entries gets a :class:`SparseUpdate` instead of a dense update.
         """
         if self.momentum_correction > 0 and momenta is None:
-            raise ValueError("Momentum correction is on: `momenta` must be given to step().")
+            raise ValueError("Momentum correction is on: `momenta` must be given to run_step().")
         if not self.compressor.runs_under_xla and in_xla_context():
             raise ValueError(
                 f"{self.compressor!r} exchanges sizes that depend on the data, which XLA cannot "
@@ -296,7 +298,7 @@ class GradientPipeline:
                     () if states is None else tuple(states[index]),
                 )
                 message = self.compress(
-                    sent, grads, before, step, replicas, per_replica, sparse_updates
+                    sent, grads, before, iteration, replicas, per_replica, sparse_updates
                 )
                 buckets.setdefault(unit.bucket, []).append(message)
         finite = [self.exchange(bucket, collective) for bucket in buckets.values()]
@@ -309,7 +311,7 @@ class GradientPipeline:
             momenta=per_variable["momentum"] if self.momentum_correction > 0 else None,
             stats=None
             if measure is None
-            else self.measure(units, messages, measure, step, replicas.replica_id),
+            else self.measure(units, messages, measure, iteration, replicas.replica_id),
             sent_bytes=bytes_per_step([m.unit for m in messages]),
             states=[
                 next(
@@ -337,7 +339,7 @@ class GradientPipeline:
         unit: Unit,
         grads: Sequence[tf.Tensor | None],
         before: UnitMemory,
-        step: tf.Tensor,
+        iteration: tf.Tensor,
         replicas: Replicas,
         per_replica: bool = False,
         sparse_update: bool = False,
@@ -353,7 +355,7 @@ class GradientPipeline:
             x = memory.accumulate_momentum(before.momentum, g, self.momentum_correction)
         tensor_id, e = unit.indices[0], before.residual
         if compressor.custom_exchange:  # several rounds: compression happens inside
-            ctx = Context(x.shape, x.dtype, step, tensor_id)
+            ctx = Context(x.shape, x.dtype, iteration, tensor_id)
             protocol = compressor.protocol(
                 x, e, before.compressor_state, ctx, replicas, per_replica
             )
@@ -361,10 +363,10 @@ class GradientPipeline:
         remainder = None
         if e is not None:
             payload, ctx, remainder = memory.compress_with_feedback(
-                compressor, x, e, step, tensor_id, replicas.replica_id
+                compressor, x, e, iteration, tensor_id, replicas.replica_id
             )
         else:
-            payload, ctx = compressor.compress(x, step, tensor_id, replicas.replica_id)
+            payload, ctx = compressor.compress(x, iteration, tensor_id, replicas.replica_id)
         after = memory.after_sending(
             compressor, x, remainder, payload, ctx, before.momentum is not None
         )
@@ -412,7 +414,7 @@ class GradientPipeline:
         units: Sequence[Unit],
         messages: Sequence[Message],
         flag: tf.Tensor | bool,
-        step: tf.Tensor,
+        iteration: tf.Tensor,
         replica_id: tf.Tensor,
     ) -> tf.Tensor:
         """``[len(units), 5]`` stats rows of this replica, computed only when ``flag`` is True
@@ -440,7 +442,7 @@ class GradientPipeline:
                     grad_error = tf.zeros_like(m.grad)
                 else:  # the same compressor on the fresh gradient alone
                     tensor_id = m.unit.indices[0]
-                    fresh, fresh_ctx = compressor.compress(m.grad, step, tensor_id, replica_id)
+                    fresh, fresh_ctx = compressor.compress(m.grad, iteration, tensor_id, replica_id)
                     grad_error = m.grad - compressor.decompress(fresh, fresh_ctx)
                 rows.append(unit_stats(m.grad, acc, error, grad_error))
             return tf.stack(rows) if rows else tf.zeros([0, width], tf.float64)

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tf_sparsify import memory
-from tf_sparsify.collectives import Collective, SimulatedWorker
-from tf_sparsify.heuristics.measure import STAT_NAMES
+from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
+from tf_sparsify.measurements import STAT_NAMES
 from tf_sparsify.memory import VariableFactory
 from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
 
@@ -152,14 +152,14 @@ class ExchangeState:
         ``per_replica``: every replica's (or simulated worker's) contribution is returned
         along a leading axis (for delayed updates and IAG). ``finish``: what a front end does
         with the step's result before the state is written (its updates and ``finite`` count).
-        ``sparse_updates``: see :meth:`GradientPipeline.step` (not for simulated workers).
+        ``sparse_updates``: see :meth:`GradientPipeline.run_step` (not for simulated workers).
         """
         grads = list(grads)
         record = None
         if self.diagnostics is not None:
             record = tf.equal(self.step % self.diagnostics_every, 0)
         if self.workers is None:
-            result = self.pipeline.step(
+            result = self.pipeline.run_step(
                 self.units,
                 grads,
                 _values(self.residuals),
@@ -194,12 +194,12 @@ class ExchangeState:
         residuals, momenta = _values(self.residuals), _values(self.momenta)
         use_momenta = self.pipeline.momentum_correction > 0
         parts = [
-            self.pipeline.step(
+            self.pipeline.run_step(
                 self.units,
                 _row(grads, p),
                 _row(residuals, p),
                 self.step,
-                SimulatedWorker(p, self.workers),
+                SimulatedWorkerCollective(p, self.workers),
                 momenta=_row(momenta, p) if use_momenta else None,
                 measure=record,
                 per_replica=True,
@@ -282,7 +282,7 @@ class StateViews:
     @property
     def diagnostics(self):
         """The ``[units, 5]`` diagnostics record (``None`` until enabled and built); rows follow
-        :attr:`diagnostics_names`, columns :data:`~tf_sparsify.heuristics.measure.STAT_NAMES`."""
+        :attr:`diagnostics_names`, columns :data:`~tf_sparsify.measurements.STAT_NAMES`."""
         return self._state.diagnostics
 
     @property

@@ -134,7 +134,7 @@ def check_config(name: str) -> dict:
         before = [v.numpy() for v in variables]
         apply(grads_of(RANK, step))
         got = [b - v.numpy() for b, v in zip(before, variables, strict=True)]
-        tape_got = exchange.average(grads_of(RANK, step), variables)
+        tape_got = exchange.updates(grads_of(RANK, step), variables)
         for i in range(len(SHAPES)):
             assert_close(got[i], expected[step][i], f"optimizer update {i} step {step}", **tol)
             assert_close(tape_got[i], expected[step][i], f"tape update {i} step {step}", **tol)
@@ -181,7 +181,7 @@ def check_powersgd() -> dict:
         before = [v.numpy() for v in variables]
         apply(grads_of(RANK, step))
         got = [b - v.numpy() for b, v in zip(before, variables, strict=True)]
-        tape_got = exchange.average(grads_of(RANK, step), variables)
+        tape_got = exchange.updates(grads_of(RANK, step), variables)
         wanted = [expected[step][0]] + [g[step].mean(axis=0) for g in grads[1:]]
         for i, want in enumerate(wanted):
             assert_close(got[i], want, f"optimizer update {i} step {step}")
@@ -204,12 +204,12 @@ def check_exchange_checkpoint(tmp: str) -> dict:
     make, options = CONFIGS["topk_ef_min_size"]
     variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
     exchange = th.GradientExchange(make(), **options)
-    exchange.average(grads_of(RANK, 0), variables)
+    exchange.updates(grads_of(RANK, 0), variables)
     path = tf.train.Checkpoint(exchange=exchange).save(f"{tmp}/rank{RANK}/ckpt")
     restored = th.GradientExchange(make(), **options)
     tf.train.Checkpoint(exchange=restored).restore(path)
-    on = exchange.average(grads_of(RANK, 1), variables)
-    again = restored.average(grads_of(RANK, 1), variables)
+    on = exchange.updates(grads_of(RANK, 1), variables)
+    again = restored.updates(grads_of(RANK, 1), variables)
     assert int(restored.step.numpy()) == 2
     for i, (a, b) in enumerate(zip(on, again, strict=True)):
         assert_close(a, b, f"update {i} after restore", 0, 0)
@@ -233,7 +233,7 @@ def check_tape_momentum_equals_optimizer() -> dict:
         before = [v.numpy() for v in variables]
         apply(grads_of(RANK, step))
         got = [b - v.numpy() for b, v in zip(before, variables, strict=True)]
-        tape = exchange.average(grads_of(RANK, step), variables)
+        tape = exchange.updates(grads_of(RANK, step), variables)
         for i in range(len(SHAPES)):
             assert_close(tape[i], got[i], f"update {i} step {step}", 1e-6, 1e-7)
     for name in ("residuals", "momenta"):

@@ -118,13 +118,13 @@ def check_bad_input() -> dict:
         ),
         expect_value_error(
             "must divide the number of ranks",
-            lambda: th.GradientExchange(tfs.TopK(k=2), ranks_per_node=3).average(
+            lambda: th.GradientExchange(tfs.TopK(k=2), ranks_per_node=3).updates(
                 grads_of(RANK, 0), variables
             ),
         ),
         expect_value_error(  # not registered yet: says how to register it
             "tf_sparsify.horovod.init(ranks_per_node=2)",
-            lambda: th.GradientExchange(tfs.TopK(k=2), ranks_per_node=2).average(
+            lambda: th.GradientExchange(tfs.TopK(k=2), ranks_per_node=2).updates(
                 grads_of(RANK, 0), variables
             ),
         ),
@@ -183,7 +183,7 @@ def check_update_topk_ef() -> dict:
         before = [v.numpy() for v in variables]
         apply(grads_of(RANK, step))
         got = [b - v.numpy() for b, v in zip(before, variables, strict=True)]
-        tape = exchange.average(grads_of(RANK, step), variables)
+        tape = exchange.updates(grads_of(RANK, step), variables)
         for i in range(len(SHAPES)):
             assert_close(got[i], expected[step][i], f"optimizer update {i} step {step}", **tol)
             assert_close(tape[i], expected[step][i], f"exchange update {i} step {step}", **tol)
@@ -213,7 +213,7 @@ def check_conservation() -> dict:
     exchange = th.GradientExchange(tfs.TopK(k=2), ranks_per_node=L)
     applied = [np.zeros(s) for s in shapes]
     for step in range(steps):
-        updates = exchange.average(grads_of(RANK, step, shapes, "float64"), variables)
+        updates = exchange.updates(grads_of(RANK, step, shapes, "float64"), variables)
         applied = [a + u.numpy() for a, u in zip(applied, updates, strict=True)]
     everyone = hvd.allgather_object(([a for a in applied], [r.numpy() for r in exchange.residuals]))
     for p, (theirs, _) in enumerate(everyone):
@@ -250,7 +250,7 @@ def check_identity_equals_horovod() -> dict:
         exchange = th.GradientExchange(ranks_per_node=per_node)
         for step in range(2):
             grads = grads_of(RANK, step)
-            got = exchange.average(grads, variables)
+            got = exchange.updates(grads, variables)
             for i, g in enumerate(grads):
                 want = hvd.allreduce(g, op=hvd.Average)
                 assert_close(got[i], want, f"ranks_per_node={per_node} {i} step {step}", 1e-6, 1e-6)
@@ -314,7 +314,7 @@ def check_mismatch_exchange() -> dict:
     """Local rank 0 with 2 ranks per node, local rank 1 with one node of 4."""
     variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
     exchange = th.GradientExchange(tfs.TopK(k=2), ranks_per_node=L if LOCAL == 0 else 4)
-    return expect_mismatch(lambda: exchange.average(grads_of(RANK, 0), variables))
+    return expect_mismatch(lambda: exchange.updates(grads_of(RANK, 0), variables))
 
 
 def check_model_bytes() -> dict:

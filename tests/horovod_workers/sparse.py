@@ -72,7 +72,7 @@ def run_both(compressor, grads: list[np.ndarray], dtypes: list[str], k: int) -> 
         for v in variables:  # from zero, the variable after the step is exactly -update
             v.assign(tf.zeros_like(v))
         apply(mine)
-        tape_got = exchange.average(mine, variables)
+        tape_got = exchange.updates(mine, variables)
         for i, w in enumerate(want):
             update = np.reshape(w[t].update.astype(np.float64), shapes[i])
             rtol = 2.0**-7 if dtypes[i] == "bfloat16" else 0
@@ -128,7 +128,7 @@ def check_conservation() -> dict:
     exchange = th.GradientExchange(tfs.SparseAllReduce(ratio=0.2))
     applied = np.zeros((9, 4))
     for t in range(STEPS):
-        (update,) = exchange.average([tf.constant(grads[t, RANK])], [variable])
+        (update,) = exchange.updates([tf.constant(grads[t, RANK])], [variable])
         applied += update.numpy()
     residuals = hvd.allgather_object(exchange.residuals[0].numpy())
     gap = np.abs(grads.sum(axis=(0, 1)) - SIZE * applied - np.sum(residuals, axis=0)).max()
@@ -145,7 +145,7 @@ def check_non_finite() -> dict:
     bad[1, SIZE - 1, 2, 3] = np.nan
     variable = keras.Variable(np.zeros((5, 4)), dtype="float32")
     exchange = th.GradientExchange(tfs.SparseAllReduce(k=4))
-    updates = [exchange.average([tf.constant(bad[t, RANK])], [variable])[0] for t in range(STEPS)]
+    updates = [exchange.updates([tf.constant(bad[t, RANK])], [variable])[0] for t in range(STEPS)]
     if np.all(np.isfinite(updates[1].numpy())):
         raise AssertionError("the bad step's update is finite")
     want = reference.run(grads[[0, 2]].reshape(2, SIZE, -1), 4, SIZE)
@@ -159,7 +159,7 @@ def expect_mismatch(compressor) -> dict:
     exchange = th.GradientExchange(compressor)
     start = time.perf_counter()
     try:
-        exchange.average([tf.ones((6, 4))], [variable])
+        exchange.updates([tf.ones((6, 4))], [variable])
     except tf.errors.InvalidArgumentError as error:
         if "differ in their compressor" not in str(error):
             raise AssertionError(f"the error does not name the compressor: {error}") from error

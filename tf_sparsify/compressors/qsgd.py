@@ -16,7 +16,7 @@ from tf_sparsify.compressors.base import (
     check_seed,
     rng_seed,
 )
-from tf_sparsify.ops.reference import level_dtype
+from tf_sparsify.ops.pure_tf import level_dtype
 
 MAX_LEVELS = 32767
 

@@ -28,7 +28,7 @@ from tf_sparsify.compressors.protocol import (
     Transfer,
     scaled,
 )
-from tf_sparsify.ops.reference import index_dtype
+from tf_sparsify.ops.pure_tf import index_dtype
 
 
 class SparseAllReduce(Compressor):

@@ -13,7 +13,7 @@
 from tf_sparsify.distribute.multiworker import free_ports, run_local_workers, tf_config
 from tf_sparsify.distribute.optimizer import ServerOptimizer
 from tf_sparsify.distribute.servers import IAG, DelayedGradients, Server
-from tf_sparsify.distribute.simulated import SimulatedWorker, SimulatedWorkers
+from tf_sparsify.distribute.simulated import SimulatedWorkerCollective, SimulatedWorkers
 from tf_sparsify.keras.multi_worker import enable_multi_worker_fit
 
 __all__ = [
@@ -21,7 +21,7 @@ __all__ = [
     "DelayedGradients",
     "Server",
     "ServerOptimizer",
-    "SimulatedWorker",
+    "SimulatedWorkerCollective",
     "SimulatedWorkers",
     "enable_multi_worker_fit",
     "free_ports",

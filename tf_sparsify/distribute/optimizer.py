@@ -11,7 +11,7 @@ import tensorflow as tf
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.distribute.servers import Server, deserialize_server, serialize_server
-from tf_sparsify.keras import compat
+from tf_sparsify.keras import keras_private
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 from tf_sparsify.pipeline import StepResult, mark_non_finite
 
@@ -71,26 +71,26 @@ class ServerOptimizer(SparsifiedOptimizer):
             )
         self._state.workers = workers
         self.server = server
-        self.workers = workers
-        self.num_workers = workers
+        self.simulated_workers = workers
+        self.worker_count = workers
         self._tables = []
 
     # -- state --------------------------------------------------------------------------------
-    @compat.no_automatic_dependency_tracking
+    @keras_private.no_automatic_dependency_tracking
     def build(self, var_list):
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if self.workers is not None and replicas > 1:
+        if self.simulated_workers is not None and replicas > 1:
             raise ValueError(
                 f"`workers` simulates workers on one replica; under a strategy with {replicas} "
-                f"replicas use workers=None (received workers={self.workers!r})."
+                f"replicas use workers=None (received workers={self.simulated_workers!r})."
             )
-        self.num_workers = self.workers or replicas
-        self.server.check_workers(self.num_workers)
+        self.worker_count = self.simulated_workers or replicas
+        self.server.check_workers(self.worker_count)
         super().build(var_list)
         self._tables = [
-            compat.replica_variable(
+            keras_private.replica_variable(
                 self,
-                (*self.server.table_dims(self.num_workers), *v.shape),
+                (*self.server.table_dims(self.worker_count), *v.shape),
                 v.dtype,
                 f"{v.name}_table",
                 "only_first_replica",  # every replica writes the identical value it computed
@@ -106,16 +106,16 @@ class ServerOptimizer(SparsifiedOptimizer):
     # -- one step -----------------------------------------------------------------------------
     def exchange(self, grads: list, collective: Collective) -> StepResult:
         """Every worker's contribution through the state core, then through the server."""
-        if self.workers is None and collective.num_replicas != self.num_workers:
+        if self.simulated_workers is None and collective.num_replicas != self.worker_count:
             raise ValueError(
-                f"ServerOptimizer was built for {self.num_workers} workers but runs on "
+                f"ServerOptimizer was built for {self.worker_count} workers but runs on "
                 f"{collective.num_replicas} replicas."
             )
         step = tf.identity(self._state.step)  # the step before the state advances it
         return self._serve(self._state.run(grads, collective, per_replica=True), step)
 
     def _serve(self, result: StepResult, step: tf.Tensor) -> StepResult:
-        schedule = self.server.schedule(step, self.num_workers)
+        schedule = self.server.schedule(step, self.worker_count)
         updates = []
         for table, contributions in zip(self._tables, result.updates, strict=True):
             if contributions is None:
@@ -132,7 +132,7 @@ class ServerOptimizer(SparsifiedOptimizer):
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config["server"] = serialize_server(self.server)
-        config["workers"] = self.workers
+        config["workers"] = self.simulated_workers
         return config
 
     @classmethod

@@ -5,7 +5,7 @@ Keras' ``train_step`` computes one gradient per batch. :class:`SimulatedWorkers`
 that ``fit`` splits each batch into ``P`` contiguous parts, computes each part's gradient of its
 own mean loss, and hands the optimizer the stacked gradients (``[P, *shape]`` per variable). A
 :class:`~tf_sparsify.distribute.ServerOptimizer` built with ``workers=P`` runs the pipeline
-once per simulated worker, each through its :class:`SimulatedWorker` collective, so each worker
+once per simulated worker, each through its :class:`SimulatedWorkerCollective`, so each worker
 has its own residuals and random keys: the same numbers a P-replica ``MirroredStrategy`` run on
 the same split would produce. Custom loops pass stacked gradients to ``optimizer.apply``.
 """
@@ -16,10 +16,10 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_sparsify.collectives import SimulatedWorker
+from tf_sparsify.collectives import SimulatedWorkerCollective
 from tf_sparsify.keras.optimizer import find_sparsified
 
-__all__ = ["SimulatedWorker", "SimulatedWorkers"]
+__all__ = ["SimulatedWorkerCollective", "SimulatedWorkers"]
 
 
 class SimulatedWorkers(keras.Model):
@@ -41,7 +41,7 @@ class SimulatedWorkers(keras.Model):
 
     def num_workers(self) -> int:
         optimizer = find_sparsified(self.optimizer)
-        workers = getattr(optimizer, "workers", None)
+        workers = getattr(optimizer, "simulated_workers", None)
         if workers is None:
             raise ValueError(
                 "SimulatedWorkers needs a model compiled with a ServerOptimizer(..., workers=P); "

@@ -34,7 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify.collectives import Collective, SimulatedWorker
+from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
 from tf_sparsify.compressors.base import check_positive_int
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.horovod.collective import HorovodCollective
@@ -212,7 +212,7 @@ class HierarchicalCollective(Collective):
         within: tf.Variable | None = None,
     ):
         self.lane: Collective = (
-            SimulatedWorker(0, topology.size)  # one node: the payloads go nowhere
+            SimulatedWorkerCollective(0, topology.size)  # one node: the payloads go nowhere
             if topology.lane_set is None
             else HorovodCollective(after, across, topology.lane_set, divisor=topology.size)
         )

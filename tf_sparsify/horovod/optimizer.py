@@ -12,7 +12,7 @@ from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.horovod.hierarchy import HierarchicalState
 from tf_sparsify.horovod.link import HorovodLink
-from tf_sparsify.keras import compat
+from tf_sparsify.keras import keras_private
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 
 
@@ -63,7 +63,7 @@ class DistributedOptimizer(SparsifiedOptimizer):
             self._state.enable_diagnostics(every)
         self._link = HorovodLink(ranks_per_node)
 
-    @compat.no_automatic_dependency_tracking
+    @keras_private.no_automatic_dependency_tracking
     def build(self, var_list):
         super().build(var_list)
         self._link.build()

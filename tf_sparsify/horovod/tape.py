@@ -115,7 +115,7 @@ class GradientExchange(StateViews, tf.Module):
         stateful = pipeline.error_feedback or pipeline.momentum_correction > 0
         return stateful or pipeline.compressor.randomized
 
-    def average(
+    def updates(
         self, grads: Sequence[tf.Tensor | None], variables: Sequence
     ) -> list[tf.Tensor | None]:
         """The mean over ranks of the decompressed payloads, aligned with ``grads``.
@@ -194,7 +194,7 @@ class DistributedGradientTape:
             output_gradients=output_gradients,
             unconnected_gradients=unconnected_gradients,
         )
-        return tf.nest.pack_sequence_as(sources, self.exchange.average(grads, flat))
+        return tf.nest.pack_sequence_as(sources, self.exchange.updates(grads, flat))
 
     def __getattr__(self, name: str):
         return getattr(self._tape, name)

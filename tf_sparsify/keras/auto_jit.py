@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from tf_sparsify.keras import compat
+from tf_sparsify.keras import keras_private
 
 
 def needs_no_xla(optimizer) -> bool:
@@ -38,7 +38,7 @@ def install() -> None:
 
         return resolve_auto_jit_compile
 
-    compat.wrap_auto_jit_compile(wrap)
+    keras_private.wrap_auto_jit_compile(wrap)
     _installed.append(True)
 
 

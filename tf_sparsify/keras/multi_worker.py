@@ -15,7 +15,7 @@ with ``axis=0``, which scalars do not have. The repair, for models it applies to
 It applies to every model compiled with a :class:`~tf_sparsify.SparsifiedOptimizer` (anywhere
 in its optimizer chain), and to every model after :func:`enable_multi_worker_fit`. Models it
 does not apply to run Keras' own code, unchanged. Outside multi-worker strategies it changes
-nothing. Everything here reads Keras' private API through :mod:`tf_sparsify.keras.compat`.
+nothing. Everything here reads Keras' private API through :mod:`tf_sparsify.keras.keras_private`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_sparsify.keras import compat
+from tf_sparsify.keras import keras_private
 
 #: the model whose ``fit``/``evaluate``/``predict`` call is running, when the repair applies
 _repaired_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -53,7 +53,7 @@ def install() -> None:
     repair does not apply to. Idempotent."""
     if _state["installed"]:
         return
-    compat.wrap_trainer(_repairing, _build_from_local_batch, _reduce_scalars_over_workers)
+    keras_private.wrap_trainer(_repairing, _build_from_local_batch, _reduce_scalars_over_workers)
     _state["installed"] = True
 
 
@@ -123,7 +123,7 @@ def _give_backups_own_folders(callbacks, index: int) -> list[str]:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             folder = f"worker_{index}"
             if os.path.basename(os.path.normpath(callback.backup_dir)) != folder:
-                compat.redirect_backup(callback, os.path.join(callback.backup_dir, folder))
+                keras_private.redirect_backup(callback, os.path.join(callback.backup_dir, folder))
             folders.append(callback.backup_dir)
     return folders
 
@@ -133,7 +133,7 @@ def _build_from_local_batch(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = compat.model_strategy(self)
+        strategy = keras_private.model_strategy(self)
         if not (_repaired_call.get() and strategy is not None and iterator is not None):
             return original(self, iterator=iterator, data_batch=data_batch)
         for _, _, batches in iterator:
@@ -143,7 +143,7 @@ def _build_from_local_batch(original: Callable) -> Callable:
             )
             break
         with strategy.scope():
-            compat.symbolic_build(self, data_batch)
+            keras_private.symbolic_build(self, data_batch)
 
     return maybe_symbolic_build
 

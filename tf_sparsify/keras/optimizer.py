@@ -12,8 +12,8 @@ from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
 from tf_sparsify.keras import (
     auto_jit,
-    compat,
     inner_options,
+    keras_private,
     multi_worker,
     replica_values,
     sparse_sgd,
@@ -100,7 +100,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         if pipeline.momentum_correction > 0:
             _check_no_inner_momentum(inner_optimizer)
         self._state = ExchangeState(
-            pipeline, self._make_variable, step=compat.iterations_variable(self)
+            pipeline, self._make_variable, step=keras_private.iterations_variable(self)
         )
         self._state.enable_diagnostics(diagnostics_every)
 
@@ -113,14 +113,14 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         return self.pipeline.compressor
 
     # -- state --------------------------------------------------------------------------------
-    @compat.no_automatic_dependency_tracking
+    @keras_private.no_automatic_dependency_tracking
     def build(self, var_list):
         self._state.build(var_list)
         self.inner_optimizer.build(var_list)
-        compat.disable_dense_all_reduce(self.inner_optimizer)
+        keras_private.disable_dense_all_reduce(self.inner_optimizer)
         # Keras' build would also make EMA and accumulator variables for the options read
         # through to the inner optimizer, which keeps its own: only index the variables here.
-        compat.index_variables(self, var_list)
+        keras_private.index_variables(self, var_list)
         self.built = True
 
     def _make_variable(self, name: str, shape, dtype, kind: str) -> keras.Variable:
@@ -130,7 +130,9 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
                 shape, dtype=dtype, aggregation="only_first_replica", name=name
             )
         aggregation = {"per_replica_mean": "mean", "replicated": "only_first_replica"}
-        return compat.replica_variable(self, shape, dtype, name, aggregation.get(kind, "sum"))
+        return keras_private.replica_variable(
+            self, shape, dtype, name, aggregation.get(kind, "sum")
+        )
 
     @property
     def diagnostics_every(self) -> int:
@@ -150,7 +152,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         carry over. The plan and the byte counts are recomputed, so the statistics stay
         truthful once the step is retraced (``model.make_train_function(force=True)``).
         """
-        variables = compat.trainable_variables(self) if self.built else None
+        variables = keras_private.trainable_variables(self) if self.built else None
         self._state.set_pipeline(self.pipeline.with_compressor(deserialize(compressor)), variables)
 
     @property
@@ -251,11 +253,11 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             if not self.built:
                 with keras.name_scope(self.name, caller=self):
                     self.build(variables)
-            compat.check_variables_are_known(self, variables)
-        built_for = compat.trainable_variables(self)
+            keras_private.check_variables_are_known(self, variables)
+        built_for = keras_private.trainable_variables(self)
         ordered = self._in_build_order(grads, variables)
         # Keras' checks: "No gradients provided" for all-None, a warning for some None.
-        compat.check_gradients(self, grads, variables or built_for)
+        keras_private.check_gradients(self, grads, variables or built_for)
         # A LossScaleOptimizer inside scales the gradients by its dynamic scale, which changes
         # between steps: exchange in gradient units so the residuals never mix scales, and hand
         # it the update scaled back (exact: the scale is a power of two).
@@ -300,19 +302,19 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         :class:`~tf_sparsify.pipeline.SparseUpdate` when the inner optimizer is plain SGD
         (:func:`~tf_sparsify.keras.sparse_sgd.applies_in_place`)."""
         sparse = self._state.gives_sparse_updates and sparse_sgd.applies_in_place(
-            self.inner_optimizer, compat.trainable_variables(self)
+            self.inner_optimizer, keras_private.trainable_variables(self)
         )
         return self._state.run(grads, collective, sparse_updates=sparse)
 
     def _in_build_order(self, grads: list, variables: list | None) -> list:
-        count = len(compat.trainable_variables(self))
+        count = len(keras_private.trainable_variables(self))
         if variables is None:
             if len(grads) != count:
                 raise ValueError(f"Expected {count} gradients, received {len(grads)}.")
             return grads
         ordered = [None] * count
         for g, v in zip(grads, variables, strict=True):
-            ordered[compat.variable_index(self, v)] = g
+            ordered[keras_private.variable_index(self, v)] = g
         return ordered
 
     # -- serialization ------------------------------------------------------------------------

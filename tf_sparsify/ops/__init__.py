@@ -3,7 +3,7 @@ Elias-Fano code of TopK's indices and a plain SGD step from sparse updates.
 
 Each function runs the compiled kernels (built by ``python -m tf_sparsify.ops.build``, loaded by
 :mod:`tf_sparsify.ops.library`) when they load, and otherwise the pure-TF reference in
-:mod:`tf_sparsify.ops.reference`, which gives identical results, with a one-time warning. With
+:mod:`tf_sparsify.ops.pure_tf`, which gives identical results, with a one-time warning. With
 ``TF_SPARSIFY_REQUIRE_OPS=1`` a missing library raises RuntimeError instead. Traced for XLA
 (``jit_compile=True``, see :mod:`tf_sparsify.ops.xla`), where no custom kernel can run, the
 reference runs silently (also under ``TF_SPARSIFY_REQUIRE_OPS=1``), without the run-time check
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify.ops import index_code, library, reference
+from tf_sparsify.ops import index_code, library, pure_tf
 from tf_sparsify.ops.gpu import format_cuda
 from tf_sparsify.ops.numpy_reference import num_buckets
 from tf_sparsify.ops.xla import in_xla_context
@@ -117,7 +117,7 @@ class OpsInfo:
         if not self.compiled:
             return (
                 f"tf_sparsify ops: compiled kernels NOT loaded ({self.reason});\n"
-                "  every op runs the pure-TF reference (tf_sparsify.ops.reference)"
+                "  every op runs the pure-TF reference (tf_sparsify.ops.pure_tf)"
             )
         lines = [f"tf_sparsify ops: compiled kernels loaded from {self.library}"]
         lines += [f"  {op}: {', '.join(devs) or 'no kernels'}" for op, devs in self.kernels.items()]
@@ -201,11 +201,11 @@ def _check_k(k: Any, n: int | None) -> int | tf.Tensor:
 
 def _check_index_dtype(index_dtype: Any, n: int | None) -> tf.DType:
     if index_dtype is None:
-        return reference.index_dtype(n)
+        return pure_tf.index_dtype(n)
     dtype = tf.as_dtype(index_dtype)
     if dtype not in INDEX_DTYPES:
         raise _invalid(f"index_dtype must be int32 or int64, got {dtype.name}")
-    if dtype == tf.int32 and n is not None and n > reference.MAX_INT32_ELEMENTS:
+    if dtype == tf.int32 and n is not None and n > pure_tf.MAX_INT32_ELEMENTS:
         raise _invalid(f"index_dtype int32 cannot index {n} elements; use tf.int64")
     return dtype
 
@@ -244,7 +244,7 @@ def topk_error_feedback(
     index_type = _check_index_dtype(index_dtype, n)
     ops = _compiled()
     if ops is None:
-        return reference.topk_error_feedback(grad, residual, k, index_type)
+        return pure_tf.topk_error_feedback(grad, residual, k, index_type)
     if n is not None and n > GPU_MAX_ELEMENTS:
         with tf.device("/device:CPU:0"):
             return tuple(ops.top_k_error_feedback(grad, residual, k, index_type=index_type))
@@ -280,8 +280,8 @@ def qsgd_quantize(
         raise _invalid(f"seed must be a scalar, got shape {seed.shape}")
     ops = _compiled()
     if ops is None:
-        return reference.qsgd_quantize(tensor, levels, bucket_size, seed)
-    out_type = reference.level_dtype(levels)
+        return pure_tf.qsgd_quantize(tensor, levels, bucket_size, seed)
+    out_type = pure_tf.level_dtype(levels)
     result = ops.qsgd_quantize(
         tensor, seed, levels=levels, bucket_size=bucket_size, out_type=out_type
     )
@@ -303,7 +303,7 @@ def qsgd_dequantize(
     levels, bucket_size = _check_qsgd_attrs(levels, bucket_size)
     dtype = tf.as_dtype(dtype)
     _check_float("dtype", dtype)
-    want = reference.level_dtype(levels)
+    want = pure_tf.level_dtype(levels)
     if signed_levels.dtype != want:
         raise _invalid(
             f"signed_levels must be {want.name} for levels = {levels}, "
@@ -332,7 +332,7 @@ def qsgd_dequantize(
         )
     ops = _compiled()
     if ops is None:
-        return reference.qsgd_dequantize(signed_levels, norms, levels, bucket_size, shape, dtype)
+        return pure_tf.qsgd_dequantize(signed_levels, norms, levels, bucket_size, shape, dtype)
     return ops.qsgd_dequantize(
         signed_levels, norms, shape, levels=levels, bucket_size=bucket_size, dtype=dtype
     )
@@ -384,7 +384,7 @@ def scatter_sum(values: tf.Tensor, indices: tf.Tensor, n: int | tf.Tensor) -> tf
     n = _check_n(n)
     ops = _compiled()
     if ops is None:
-        return reference.scatter_sum(values, indices, n)
+        return pure_tf.scatter_sum(values, indices, n)
     return ops.scatter_sum(values, indices, n)
 
 
@@ -486,6 +486,6 @@ def sparse_sgd_apply(
     scale, learning_rate = _scalar(scale, dtype), _scalar(learning_rate, dtype)
     ops = _compiled()
     if ops is None:
-        reference.sparse_sgd_apply(variable, values, indices, scale, learning_rate)
+        pure_tf.sparse_sgd_apply(variable, values, indices, scale, learning_rate)
         return
     ops.sparse_sgd_apply(handle, values, indices, scale, learning_rate)

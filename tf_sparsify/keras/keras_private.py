@@ -3,7 +3,7 @@
 Keras 3 has no public hooks for an optimizer that wraps another and exchanges gradients itself
 (its own ``LossScaleOptimizer`` uses the same internals). Nothing else in tf_sparsify touches
 Keras' private attributes or ``keras.src``: if a Keras upgrade moves one of them, :func:`check`
-names what moved (``tests/test_compat.py`` runs it, so the failure is one clear message).
+names what moved (``tests/test_keras_private.py`` runs it, so the failure is one clear message).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def check() -> None:
     if missing:
         raise RuntimeError(
             f"Keras {keras.__version__} moved private APIs that tf_sparsify's optimizer wrapper "
-            f"needs: {', '.join(missing)}. Update tf_sparsify/keras/compat.py."
+            f"needs: {', '.join(missing)}. Update tf_sparsify/keras/keras_private.py."
         )
 
 
