@@ -108,6 +108,21 @@ def kept_tensors(memory: UnitMemory) -> list[tf.Tensor]:
     return [t for t in (memory.residual, memory.momentum) if t is not None]
 
 
+def mark_non_finite(tensor: tf.Tensor, ok: tf.Tensor) -> tf.Tensor:
+    """``tensor`` unchanged when ``ok``, all NaN otherwise (so a later check sees the bad step)."""
+    return tensor + tf.cast(tf.where(ok, 0.0, float("nan")), tensor.dtype)
+
+
+def mark_if_kept_non_finite(payload: Payload, after: UnitMemory) -> Payload:
+    """``payload`` with NaN added to its float tensors when what the replica keeps would be
+    non-finite: every replica then sees the bad step in the payloads and agrees on it."""
+    kept = kept_tensors(after)
+    if not kept:
+        return payload
+    ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in kept]))
+    return tuple(mark_non_finite(t, ok) if t.dtype.is_floating else t for t in payload)
+
+
 def store_if_finite(pairs: Sequence[tuple[Any, tf.Tensor]], finite: tf.Tensor) -> None:
     """Assign each ``(variable, new value)`` pair only when ``finite`` (the step was finite on
     every replica): a bad step leaves the memory as it was."""

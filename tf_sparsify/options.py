@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
-from tf_sparsify.compressors.base import Compressor, check_positive_int
+from tf_sparsify.compressors.base import Compressor, MultiRoundExchange, check_positive_int
 from tf_sparsify.heuristics import clipping
 
 SCOPES = ("layer", "global")
@@ -130,7 +130,7 @@ def _check_compressor(compressor: Compressor, options: ExchangeOptions) -> None:
             f"`scope='global'` joins the gradients into one flat vector, but {compressor!r} "
             "compresses each tensor by its shape: use scope='layer'."
         )
-    if options.momentum_correction > 0 and compressor.custom_exchange:
+    if options.momentum_correction > 0 and isinstance(compressor, MultiRoundExchange):
         raise ValueError(
             f"`momentum_correction` masks the momentum where a payload sent entries; "
             f"{compressor!r} runs its own exchange, which sends no such entries and keeps no "

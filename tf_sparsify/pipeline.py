@@ -34,6 +34,7 @@ import tensorflow as tf
 from tf_sparsify import memory
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import (
+    Codec,
     Compressor,
     Context,
     Payload,
@@ -51,8 +52,8 @@ from tf_sparsify.compressors.protocol import (
     Outcome,
     Protocol,
     Replicas,
+    SparseUpdate,
     Transfer,
-    scaled,
 )
 from tf_sparsify.heuristics import clipping
 from tf_sparsify.measurements import STAT_NAMES, unit_stats
@@ -111,23 +112,6 @@ class Message:
     after: UnitMemory = UnitMemory()
     #: the decompressed, averaged update (stacked over replicas with ``per_replica``)
     update: tf.Tensor | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class SparseUpdate:
-    """An update that is zero except at some entries: ``scale`` times the sum over rows of
-    ``values`` at the flat ``indices`` (both ``[replicas, k]``, each row strictly ascending).
-
-    ``run_step(..., sparse_updates=True)`` gives these for units of one variable whose compressor
-    :attr:`~tf_sparsify.compressors.base.Compressor.sends_entries`, so that a plain SGD step
-    applies them in place (:func:`tf_sparsify.ops.sparse_sgd_apply`) without building the
-    dense update.
-    """
-
-    values: tf.Tensor
-    indices: tf.Tensor
-    #: ``1 / divisor`` (the average over replicas)
-    scale: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,39 +332,21 @@ class GradientPipeline:
         (the rules of :mod:`tf_sparsify.memory`); the message carries the protocol its
         payloads travel by (ending in a :class:`SparseUpdate` with ``sparse_update`` when the
         unit is one variable whose compressor sends entries)."""
-        compressor = unit.compressor
         g = _join([grads[i] for i in unit.indices])
         x = g
         if before.momentum is not None:
             x = memory.accumulate_momentum(before.momentum, g, self.momentum_correction)
-        tensor_id, e = unit.indices[0], before.residual
-        if compressor.custom_exchange:  # several rounds: compression happens inside
-            ctx = Context(x.shape, x.dtype, iteration, tensor_id)
-            protocol = compressor.protocol(
-                x, e, before.compressor_state, ctx, replicas, per_replica
-            )
-            return Message(unit, g, x, before, (), ctx, protocol)
-        remainder = None
-        if e is not None:
-            payload, ctx, remainder = memory.compress_with_feedback(
-                compressor, x, e, iteration, tensor_id, replicas.replica_id
-            )
-        else:
-            payload, ctx = compressor.compress(x, iteration, tensor_id, replicas.replica_id)
-        after = memory.after_sending(
-            compressor, x, remainder, payload, ctx, before.momentum is not None
+        opening = unit.compressor.start(
+            x,
+            before,
+            iteration,
+            unit.indices[0],
+            replicas,
+            per_replica,
+            sparse_update and len(unit.shapes) == 1,
         )
-        kept = memory.kept_tensors(after)
-        if kept and not compressor.reveals_non_finite:
-            # what this replica keeps would be non-finite: make the payload say so
-            ok = tf.reduce_all(tf.stack([_all_finite(t) for t in kept]))
-            payload = _mark(payload, ok)
-        message = Message(unit, g, x, before, payload, ctx, after=after)
-        if sparse_update and not per_replica and _sends_entries(unit):
-            message.protocol = _entries_round(message, replicas)
-        else:
-            message.protocol = _one_round(message, replicas, per_replica)
-        return message
+        after = opening.after if opening.after is not None else UnitMemory()
+        return Message(unit, g, x, before, opening.payload, opening.ctx, opening.protocol, after)
 
     def exchange(self, bucket: list[Message], collective: Collective) -> tf.Tensor:
         """Drive the bucket's protocols in lockstep: each round, one collective call per kind
@@ -432,7 +398,7 @@ class GradientPipeline:
                 compressor = m.unit.compressor
                 acc = m.x if m.before.residual is None else m.x + m.before.residual
                 error = m.after.residual
-                if compressor.custom_exchange:  # no local payload to decode: the residual only
+                if not isinstance(compressor, Codec):  # no local payload: the residual only
                     error = tf.zeros_like(acc) if error is None else error
                     rows.append(unit_stats(m.grad, acc, error, tf.zeros_like(m.grad)))
                     continue
@@ -510,38 +476,6 @@ def _per_variable(
     return out
 
 
-def _one_round(m: Message, replicas: Replicas, per_replica: bool) -> Protocol:
-    """The protocol of single-round compressors: the payload is summed (summable ones) or
-    gathered, then decompressed and divided by the divisor."""
-    compressor = m.unit.compressor
-    summed = compressor.summable and not per_replica
-    received = yield Transfer(SUM if summed else GATHER, m.payload)
-    if per_replica:
-        total = tf.stack(
-            [
-                compressor.decompress(tuple(t[r] for t in received), m.ctx)
-                for r in range(replicas.count)
-            ]
-        )
-    elif summed:
-        total = compressor.decompress(received, m.ctx)
-    else:
-        total = compressor.decompress_sum(received, m.ctx, replicas.count)
-    return Outcome(scaled(total, replicas.divisor), shared=received)
-
-
-def _sends_entries(unit: Unit) -> bool:
-    return unit.compressor.sends_entries and len(unit.shapes) == 1
-
-
-def _entries_round(m: Message, replicas: Replicas) -> Protocol:
-    """The single-round protocol of a compressor that sends entries, ending in a
-    :class:`SparseUpdate` of the gathered entries."""
-    received = yield Transfer(GATHER, m.payload)
-    values, indices = m.unit.compressor.gathered_entries(received, m.ctx)
-    return Outcome(SparseUpdate(values, indices, 1.0 / replicas.divisor), shared=received)
-
-
 def _transfer(
     collective: Collective, kind: str, items: list[tuple[int, Transfer]]
 ) -> dict[int, tuple[tf.Tensor, ...]]:
@@ -584,13 +518,3 @@ def _split(
 
 def _all_finite(t: tf.Tensor) -> tf.Tensor:
     return tf.reduce_all(tf.math.is_finite(t))
-
-
-def _mark(payload: Payload, ok: tf.Tensor) -> Payload:
-    """The payload with NaN added to its float tensors unless ``ok``."""
-    return tuple(mark_non_finite(t, ok) if t.dtype.is_floating else t for t in payload)
-
-
-def mark_non_finite(tensor: tf.Tensor, ok: tf.Tensor) -> tf.Tensor:
-    """``tensor`` unchanged when ``ok``, all NaN otherwise (so a later check sees the bad step)."""
-    return tensor + tf.cast(tf.where(ok, 0.0, float("nan")), tensor.dtype)

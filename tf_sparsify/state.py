@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tf_sparsify import memory
 from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
+from tf_sparsify.compressors.base import MultiRoundExchange
 from tf_sparsify.measurements import STAT_NAMES
 from tf_sparsify.memory import VariableFactory
 from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
@@ -180,7 +181,7 @@ class ExchangeState:
 
     def _run_workers(self, grads: list, record) -> StepResult:
         """The pipeline once per simulated worker, each with its row of the buffers."""
-        if any(u.compressor.custom_exchange for u in self.units):
+        if any(isinstance(u.compressor, MultiRoundExchange) for u in self.units):
             raise ValueError(
                 f"compressor={self.pipeline.compressor!r} runs its own exchange, which simulated "
                 "workers cannot split per worker."

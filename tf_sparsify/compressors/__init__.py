@@ -1,6 +1,14 @@
-"""Gradient compressors: ``compress(tensor) -> (payload, ctx)``, ``decompress(payload, ctx)``."""
+"""Ways to send a gradient: single-round codecs (``compress(tensor) -> (payload, ctx)``,
+``decompress(payload, ctx)``) and multi-round exchanges (PowerSGD, SparseAllReduce)."""
 
-from tf_sparsify.compressors.base import Compressor, Context, deserialize, serialize
+from tf_sparsify.compressors.base import (
+    Codec,
+    Compressor,
+    Context,
+    MultiRoundExchange,
+    deserialize,
+    serialize,
+)
 from tf_sparsify.compressors.dense import BF16, FP16, Identity
 from tf_sparsify.compressors.powersgd import PowerSGD
 from tf_sparsify.compressors.qsgd import QSGD
@@ -13,9 +21,11 @@ __all__ = [
     "BF16",
     "FP16",
     "QSGD",
+    "Codec",
     "Compressor",
     "Context",
     "Identity",
+    "MultiRoundExchange",
     "PowerSGD",
     "RandomK",
     "ScaledSign",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import math
 import numbers
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -10,11 +11,13 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparsify import memory, ops
+from tf_sparsify.compressors import protocol
 
 Payload = tuple[tf.Tensor, ...]
 
 if TYPE_CHECKING:
-    from tf_sparsify.compressors.protocol import Protocol, Replicas
+    from tf_sparsify.compressors.protocol import Opening, Protocol, Replicas
+    from tf_sparsify.memory import UnitMemory
 
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 MAX_SEED = 2**63 - 1  # seeds travel as int64
@@ -44,19 +47,16 @@ class Context:
         return self.shape.num_elements()
 
 
-class Compressor:
-    """Base class: ``compress(tensor) -> (payload, ctx)``, ``decompress(payload, ctx)``.
+class Compressor(abc.ABC):
+    """What every way of sending a gradient shares: its promises, its bytes, its config.
 
-    Subclasses set ``unbiased``, ``summable`` and ``randomized`` and implement ``_compress``,
-    ``_decompress`` and ``wire_bytes``. Random choices are drawn from stateless RNG keyed by
-    ``(seed, step, tensor_id[, replica_id])``. A call without a step draws afresh: the n-th
-    such call of a randomized compressor (n = 0, 1, ...) uses ``step=n``, counted by an int64
-    ``tf.Variable`` that advances on every call, also inside a ``tf.function``; that counter is
-    the only state besides the seed and is not part of the config.
-
-    ``summable`` means payloads of several replicas can be added element-wise before
-    ``decompress`` (decompression is linear in the payload and all replicas share the layout),
-    so they travel by all-reduce; other payloads travel by all-gather.
+    Two kinds implement it. A :class:`Codec` is a single-round compressor (TopK, QSGD,
+    TernGrad, RandomK, ScaledSign, the casts, Identity): ``compress(tensor) -> (payload,
+    ctx)``, ``decompress(payload, ctx)``, and the pipeline moves its payload in one round (by
+    all-reduce when ``summable``, else by all-gather). A :class:`MultiRoundExchange` runs its
+    own protocol of several rounds or other collectives (PowerSGD, SparseAllReduce). Either
+    way the pipeline asks it to :meth:`start` a unit's exchange and drives the protocol it
+    returns (:mod:`tf_sparsify.compressors.protocol`). Subclasses set the flags below.
     """
 
     unbiased: ClassVar[bool] = False
@@ -67,9 +67,6 @@ class Compressor:
     #: a non-finite input always makes a float tensor of the payload non-finite, so receivers
     #: see a bad step in the payload itself (the pipeline then needs no separate check)
     reveals_non_finite: ClassVar[bool] = False
-    #: the compressor runs its own exchange (:meth:`protocol`: several rounds, or other
-    #: collectives) instead of compress, one transfer, decompress
-    custom_exchange: ClassVar[bool] = False
     #: whether ``compress`` needs the tensor's size at trace time (the payload layout uses it)
     needs_static_shape: ClassVar[bool] = True
     #: the compressor works on each tensor's shape (PowerSGD: matrices), so it cannot take
@@ -88,11 +85,96 @@ class Compressor:
     #: every shape in the exchange is known when it is traced, so XLA (``jit_compile=True``)
     #: can compile a step that uses the compressor
     runs_under_xla: ClassVar[bool] = True
-    _unkeyed_steps: tf.Variable | None = None
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
         _REGISTRY[cls.__name__] = cls
+
+    def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
+        """Exact bytes of the payload for a tensor of ``num_elements`` entries of ``dtype``."""
+        raise NotImplementedError
+
+    def wire_bytes_for(self, shape: tf.TensorShape, dtype: tf.DType = tf.float32) -> int:
+        """Exact bytes of the payload for a tensor of this ``shape``; shape-aware compressors
+        override it, the others send :meth:`wire_bytes` of its size."""
+        return self.wire_bytes(tf.TensorShape(shape).num_elements(), dtype)
+
+    def state_specs(self, shape: tf.TensorShape, dtype: tf.DType) -> tuple[tuple, ...]:
+        """``(shape, dtype)`` of each state tensor a custom exchange keeps for a tensor of this
+        shape (checkpointed with the residuals; zeros at first)."""
+        return ()
+
+    def entries_sent(self, num_elements: int) -> int | None:
+        """How many entries a payload carries for a tensor of ``num_elements``, when fixed."""
+        return None
+
+    def variance_bound(self, num_elements: int) -> float | None:
+        """``beta`` with ``E||C(x) - x||^2 <= beta ||x||^2`` for an unbiased compressor."""
+        return None
+
+    def contraction(self, num_elements: int) -> float | None:
+        """``delta`` in (0, 1] with ``E||x - C(x)||^2 <= (1 - delta) ||x||^2`` for every ``x``
+        of ``num_elements`` entries, or ``None`` when there is no such ``delta``.
+
+        Error feedback needs one: without it the residual can grow without bound. An unbiased
+        compressor contracts with ``delta = 1 - beta`` when its variance bound ``beta < 1``.
+        An empty tensor is sent exactly: ``delta = 1``.
+        """
+        beta = self.variance_bound(num_elements) if self.unbiased else None
+        return None if beta is None or beta >= 1 else 1.0 - beta
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Compressor:
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(self.get_config().items()))))
+
+    @abc.abstractmethod
+    def start(
+        self,
+        tensor: tf.Tensor,
+        before: UnitMemory,
+        iteration: tf.Tensor | int,
+        tensor_id: int,
+        replicas: Replicas,
+        per_replica: bool,
+        sparse_update: bool,
+    ) -> Opening:
+        """Begin one unit's exchange of ``tensor`` (the gradient, or the momentum-corrected
+        gradient) with its memory ``before``: what is sent first, what the replica keeps, and
+        the protocol the pipeline drives from here. ``per_replica``: every replica's
+        contribution is wanted (delayed updates, IAG); ``sparse_update``: the update may come
+        as gathered entries (:class:`~tf_sparsify.compressors.protocol.SparseUpdate`)."""
+
+
+class Codec(Compressor):
+    """A single-round compressor: ``compress(tensor) -> (payload, ctx)``,
+    ``decompress(payload, ctx)``; its payload travels in one round.
+
+    Subclasses set ``unbiased``, ``summable`` and ``randomized`` and implement ``_compress``,
+    ``_decompress`` and ``wire_bytes``. Random choices are drawn from stateless RNG keyed by
+    ``(seed, step, tensor_id[, replica_id])``. A call without a step draws afresh: the n-th
+    such call of a randomized compressor (n = 0, 1, ...) uses ``step=n``, counted by an int64
+    ``tf.Variable`` that advances on every call, also inside a ``tf.function``; that counter is
+    the only state besides the seed and is not part of the config.
+
+    ``summable`` means payloads of several replicas can be added element-wise before
+    ``decompress`` (decompression is linear in the payload and all replicas share the layout),
+    so they travel by all-reduce; other payloads travel by all-gather.
+    """
+
+    _unkeyed_steps: tf.Variable | None = None
 
     # -- public interface -------------------------------------------------------------------
     def compress(
@@ -143,75 +225,10 @@ class Compressor:
         row's flat indices strictly ascending; their scatter-sum is the decompressed sum."""
         raise NotImplementedError(f"{type(self).__name__} does not send entries")
 
-    def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
-        """Exact bytes of the payload for a tensor of ``num_elements`` entries of ``dtype``."""
-        raise NotImplementedError
-
-    def wire_bytes_for(self, shape: tf.TensorShape, dtype: tf.DType = tf.float32) -> int:
-        """Exact bytes of the payload for a tensor of this ``shape``; shape-aware compressors
-        override it, the others send :meth:`wire_bytes` of its size."""
-        return self.wire_bytes(tf.TensorShape(shape).num_elements(), dtype)
-
-    def protocol(
-        self,
-        tensor: tf.Tensor,
-        residual: tf.Tensor | None,
-        state: tuple[tf.Tensor, ...],
-        ctx: Context,
-        replicas: Replicas,
-        per_replica: bool,
-    ) -> Protocol:
-        """The exchange of a ``custom_exchange`` compressor for one unit: compress ``tensor``
-        (plus ``residual`` with error feedback), yield transfers, and return the
-        :class:`~tf_sparsify.compressors.protocol.Outcome` (update divided by the divisor, new
-        residual, new state). ``state`` holds the tensors of :meth:`state_specs`."""
-        raise NotImplementedError(f"{type(self).__name__} has no custom exchange")
-
-    def state_specs(self, shape: tf.TensorShape, dtype: tf.DType) -> tuple[tuple, ...]:
-        """``(shape, dtype)`` of each state tensor a custom exchange keeps for a tensor of this
-        shape (checkpointed with the residuals; zeros at first)."""
-        return ()
-
     def sent_mask(self, payload: Payload, ctx: Context) -> tf.Tensor:
         """1 where this payload carries an entry of the tensor, 0 elsewhere (``ctx``'s shape and
         dtype); by default where the decompressed payload is non-zero."""
         return tf.cast(tf.not_equal(self.decompress(payload, ctx), 0), ctx.dtype)
-
-    def entries_sent(self, num_elements: int) -> int | None:
-        """How many entries a payload carries for a tensor of ``num_elements``, when fixed."""
-        return None
-
-    def variance_bound(self, num_elements: int) -> float | None:
-        """``beta`` with ``E||C(x) - x||^2 <= beta ||x||^2`` for an unbiased compressor."""
-        return None
-
-    def contraction(self, num_elements: int) -> float | None:
-        """``delta`` in (0, 1] with ``E||x - C(x)||^2 <= (1 - delta) ||x||^2`` for every ``x``
-        of ``num_elements`` entries, or ``None`` when there is no such ``delta``.
-
-        Error feedback needs one: without it the residual can grow without bound. An unbiased
-        compressor contracts with ``delta = 1 - beta`` when its variance bound ``beta < 1``.
-        An empty tensor is sent exactly: ``delta = 1``.
-        """
-        beta = self.variance_bound(num_elements) if self.unbiased else None
-        return None if beta is None or beta >= 1 else 1.0 - beta
-
-    def get_config(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Compressor:
-        return cls(**config)
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
-        return f"{type(self).__name__}({args})"
-
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.get_config() == other.get_config()
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, tuple(sorted(self.get_config().items()))))
 
     # -- shared steps -----------------------------------------------------------------------
     def _context(
@@ -240,11 +257,85 @@ class Compressor:
         return tf.identity(self._unkeyed_steps.assign_add(1)) - 1
 
     # -- to implement -----------------------------------------------------------------------
+    @abc.abstractmethod
     def _compress(self, tensor: tf.Tensor, ctx: Context, replica_id) -> Payload:
-        raise NotImplementedError
+        """The payload of ``tensor`` (checked, with its context)."""
 
+    @abc.abstractmethod
     def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
-        raise NotImplementedError
+        """The dense tensor a payload stands for."""
+
+    def start(
+        self,
+        tensor: tf.Tensor,
+        before: UnitMemory,
+        iteration: tf.Tensor | int,
+        tensor_id: int,
+        replicas: Replicas,
+        per_replica: bool,
+        sparse_update: bool,
+    ) -> Opening:
+        """Compress with the unit's memory (the rules of :mod:`tf_sparsify.memory`), then one
+        round: the payload summed or gathered, decompressed and averaged (gathered entries with
+        ``sparse_update`` when the codec sends entries)."""
+        remainder = None
+        if before.residual is not None:
+            payload, ctx, remainder = memory.compress_with_feedback(
+                self, tensor, before.residual, iteration, tensor_id, replicas.replica_id
+            )
+        else:
+            payload, ctx = self.compress(tensor, iteration, tensor_id, replicas.replica_id)
+        with_momentum = before.momentum is not None
+        after = memory.after_sending(self, tensor, remainder, payload, ctx, with_momentum)
+        if not self.reveals_non_finite:
+            payload = memory.mark_if_kept_non_finite(payload, after)
+        if sparse_update and self.sends_entries and not per_replica:
+            rounds = protocol.entries_round(self, payload, ctx, replicas)
+        else:
+            rounds = protocol.one_round(self, payload, ctx, replicas, per_replica)
+        return protocol.Opening(rounds, ctx, payload, after)
+
+
+class MultiRoundExchange(Compressor):
+    """A method that runs its own exchange: several rounds or other collectives (PowerSGD's
+    two all-reduces, the sparse all-reduce's all-to-all and all-gather). Subclasses implement
+    :meth:`rounds`; compression happens inside it, and so does its error feedback (the
+    residual it returns is ``acc - what the replicas agreed on``, as :mod:`tf_sparsify.memory`
+    defines it). It cannot give each replica's contribution apart (``per_replica``)."""
+
+    def start(
+        self,
+        tensor: tf.Tensor,
+        before: UnitMemory,
+        iteration: tf.Tensor | int,
+        tensor_id: int,
+        replicas: Replicas,
+        per_replica: bool,
+        sparse_update: bool,
+    ) -> Opening:
+        """The protocol of :meth:`rounds`; nothing is sent before it starts."""
+        if per_replica:
+            raise ValueError(
+                f"{self!r} cannot give each replica's contribution (`per_replica`, as "
+                "delayed updates, IAG and simulated workers need): its replicas agree on one "
+                "sum inside the exchange."
+            )
+        ctx = Context(tensor.shape, tensor.dtype, iteration, tensor_id)
+        rounds = self.rounds(tensor, before.residual, before.compressor_state, ctx, replicas)
+        return protocol.Opening(rounds, ctx)
+
+    @abc.abstractmethod
+    def rounds(
+        self,
+        tensor: tf.Tensor,
+        residual: tf.Tensor | None,
+        state: tuple[tf.Tensor, ...],
+        ctx: Context,
+        replicas: Replicas,
+    ) -> Protocol:
+        """Compress ``tensor`` (plus ``residual`` with error feedback), yield transfers, and
+        return the :class:`~tf_sparsify.compressors.protocol.Outcome` (update divided by the
+        divisor, new residual, new state). ``state`` holds the tensors of :meth:`state_specs`."""
 
 
 def serialize(compressor: Compressor) -> dict[str, Any]:

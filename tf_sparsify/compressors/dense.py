@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_sparsify.compressors.base import Compressor, Context, Payload, dtype_bytes
+from tf_sparsify.compressors.base import Codec, Context, Payload, dtype_bytes
 
 
-class Identity(Compressor):
+class Identity(Codec):
     """No compression: the payload is the tensor itself."""
 
     unbiased = True
@@ -33,7 +33,7 @@ class Identity(Compressor):
         return payload[0]
 
 
-class _Cast(Compressor):
+class _Cast(Codec):
     """Round to a 16-bit float for the wire; biased (round to nearest), summable.
 
     Finite values beyond the wire type's range saturate to its largest finite value instead of

@@ -11,9 +11,8 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify.compressors.base import (
-    Compressor,
     Context,
-    Payload,
+    MultiRoundExchange,
     check_positive_int,
     check_seed,
     dtype_bytes,
@@ -23,7 +22,7 @@ from tf_sparsify.compressors.protocol import SUM, Outcome, Protocol, Replicas, T
 from tf_sparsify.ops import xla
 
 
-class PowerSGD(Compressor):
+class PowerSGD(MultiRoundExchange):
     """Rank-``rank`` PowerSGD with warm start and error feedback.
 
     A tensor of shape ``[..., c]`` is the matrix ``M`` of shape ``[n, m] = [prod(shape[:-1]),
@@ -65,7 +64,6 @@ class PowerSGD(Compressor):
     summable = False
     #: the first ``Q`` is drawn from ``(seed, step, tensor)``
     randomized = True
-    custom_exchange = True
     shape_aware = True
     error_feedback_by_design = True
     #: a non-finite ``M`` makes ``P`` non-finite, and the summed ``P`` is shared
@@ -102,20 +100,14 @@ class PowerSGD(Compressor):
         return () if dims is None else (((dims[1], self.rank), _work_dtype(dtype)),)
 
     # -- the exchange -------------------------------------------------------------------------
-    def protocol(
+    def rounds(
         self,
         tensor: tf.Tensor,
         residual: tf.Tensor | None,
         state: tuple[tf.Tensor, ...],
         ctx: Context,
         replicas: Replicas,
-        per_replica: bool,
     ) -> Protocol:
-        if per_replica:
-            raise ValueError(
-                f"{self!r} cannot give each replica's contribution (`per_replica`, as "
-                "ServerOptimizer and delayed updates need): the replicas share one projection."
-            )
         acc = tensor if residual is None else tensor + residual
         dims = self.matrix_shape(acc.shape)
         if dims is None:
@@ -155,12 +147,6 @@ class PowerSGD(Compressor):
         fresh = xla.stateless_normal(q.shape, key, q.dtype)
         empty = tf.reduce_all(tf.equal(q, 0), axis=0, keepdims=True)
         return tf.where(empty, fresh, q)
-
-    def _compress(self, tensor, ctx, replica_id) -> Payload:
-        raise NotImplementedError(
-            f"{self!r} runs its own exchange (two all-reduces with state): use it through "
-            "SparsifiedOptimizer, GradientPipeline or tf_sparsify.horovod, not compress()."
-        )
 
     def get_config(self) -> dict[str, Any]:
         return {"rank": self.rank, "seed": self.seed}

@@ -4,15 +4,16 @@ A protocol is a generator. Each round it yields a :class:`Transfer` (which colle
 tensors) and receives what the collective returned; at the end it returns an :class:`Outcome`
 (the averaged update, the new residual, the new compressor state). The pipeline drives the
 protocols of a bucket in lockstep, so one collective call per kind and round carries every
-unit of the bucket. Most compressors need one round (:func:`one_round`: compress, sum or
-gather, decompress); PowerSGD needs two all-reduces, the sparse all-reduce an all-to-all and
-an all-gather.
+unit of the bucket. A codec needs one round (:func:`one_round`: sum or gather its payload,
+decompress; :func:`entries_round` for in-place sparse updates); a multi-round exchange brings
+its own: PowerSGD two all-reduces, the sparse all-reduce an all-to-all and an all-gather.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
+from typing import Any
 
 import tensorflow as tf
 
@@ -59,6 +60,60 @@ class Outcome:
 
 
 Protocol = Generator[Transfer, tuple[tf.Tensor, ...], Outcome]
+
+
+@dataclasses.dataclass(frozen=True)
+class Opening:
+    """How one unit's exchange starts (``Compressor.start``): the protocol to drive, the
+    context, what is sent in the first round (a codec's payload) and what the replica keeps
+    already known before any transfer (a codec's remainder and momentum)."""
+
+    protocol: Protocol
+    ctx: Any
+    payload: tuple[tf.Tensor, ...] = ()
+    after: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseUpdate:
+    """An update that is zero except at some entries: ``scale`` times the sum over rows of
+    ``values`` at the flat ``indices`` (both ``[replicas, k]``, each row strictly ascending).
+
+    ``run_step(..., sparse_updates=True)`` gives these for units of one variable whose codec
+    :attr:`~tf_sparsify.compressors.base.Compressor.sends_entries`, so that a plain SGD step
+    applies them in place (:func:`tf_sparsify.ops.sparse_sgd_apply`) without building the
+    dense update.
+    """
+
+    values: tf.Tensor
+    indices: tf.Tensor
+    #: ``1 / divisor`` (the average over replicas)
+    scale: float
+
+
+def one_round(codec, payload, ctx, replicas: Replicas, per_replica: bool) -> Protocol:
+    """A codec's protocol: the payload is summed (summable codecs) or gathered, then
+    decompressed and divided by the divisor (``per_replica``: every replica's contribution
+    stacked)."""
+    summed = codec.summable and not per_replica
+    received = yield Transfer(SUM if summed else GATHER, payload)
+    if per_replica:
+        total = tf.stack(
+            [codec.decompress(tuple(t[r] for t in received), ctx) for r in range(replicas.count)]
+        )
+    elif summed:
+        total = codec.decompress(received, ctx)
+    else:
+        total = codec.decompress_sum(received, ctx, replicas.count)
+    return Outcome(scaled(total, replicas.divisor), shared=received)
+
+
+def entries_round(codec, payload, ctx, replicas: Replicas) -> Protocol:
+    """The protocol of a codec that sends entries: gathered, ending in a :class:`SparseUpdate`
+    of the gathered entries."""
+    received = yield Transfer(GATHER, payload)
+    values, indices = codec.gathered_entries(received, ctx)
+    return Outcome(SparseUpdate(values, indices, 1.0 / replicas.divisor), shared=received)
 
 
 def scaled(tensor: tf.Tensor, divisor: float) -> tf.Tensor:

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tf_sparsify import ops
 from tf_sparsify.compressors.base import (
-    Compressor,
+    Codec,
     Context,
     Payload,
     check_positive_int,
@@ -21,7 +21,7 @@ from tf_sparsify.ops.pure_tf import level_dtype
 MAX_LEVELS = 32767
 
 
-class QSGD(Compressor):
+class QSGD(Codec):
     """Quantize ``|x_i| / ||x_bucket||_2`` onto ``{0, 1/s, ..., 1}`` by unbiased rounding.
 
     Payload: signed levels (int8 for ``levels <= 127``, int16 up to 32767) and one float32

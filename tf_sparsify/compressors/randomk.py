@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tf_sparsify import ops
 from tf_sparsify.compressors.base import (
-    Compressor,
+    Codec,
     Context,
     Payload,
     check_ratio,
@@ -21,7 +21,7 @@ from tf_sparsify.compressors.base import (
 from tf_sparsify.ops import xla
 
 
-class RandomK(Compressor):
+class RandomK(Codec):
     """Keep k of d entries chosen uniformly without replacement, scaled by d/k.
 
     The indices depend on ``(seed, step, tensor)`` only, never on the replica, so every replica

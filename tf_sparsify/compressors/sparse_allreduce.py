@@ -11,9 +11,8 @@ import tensorflow as tf
 
 from tf_sparsify import ops
 from tf_sparsify.compressors.base import (
-    Compressor,
     Context,
-    Payload,
+    MultiRoundExchange,
     check_positive_int,
     check_ratio,
     dtype_bytes,
@@ -31,7 +30,7 @@ from tf_sparsify.compressors.protocol import (
 from tf_sparsify.ops.pure_tf import index_dtype
 
 
-class SparseAllReduce(Compressor):
+class SparseAllReduce(MultiRoundExchange):
     """TopK whose entries are summed by their owners instead of gathered by everyone.
 
     Give exactly one of ``ratio`` (k = max(1, ceil(ratio * n))) or ``k`` (clamped to the
@@ -79,7 +78,6 @@ class SparseAllReduce(Compressor):
 
     unbiased = False
     summable = False
-    custom_exchange = True
     error_feedback_by_design = True
     #: NaN and Inf rank highest in both selections: they reach the all-gathered values
     reveals_non_finite = True
@@ -108,21 +106,14 @@ class SparseAllReduce(Compressor):
         round)."""
         return self.num_selected(num_elements) * _entry_bytes(num_elements, dtype)
 
-    def protocol(
+    def rounds(
         self,
         tensor: tf.Tensor,
         residual: tf.Tensor | None,
         state: tuple[tf.Tensor, ...],
         ctx: Context,
         replicas: Replicas,
-        per_replica: bool,
     ) -> Protocol:
-        if per_replica:
-            raise ValueError(
-                f"{self!r} cannot give each replica's contribution (`per_replica`, as "
-                "ServerOptimizer and delayed updates need): the owners sum the replicas' "
-                "entries before re-selecting."
-            )
         n = ctx.num_elements
         flat = tf.reshape(tensor, [-1])
         kept = tf.zeros_like(flat) if residual is None else tf.reshape(residual, [-1])
@@ -139,13 +130,6 @@ class SparseAllReduce(Compressor):
             new_residual = tf.reshape(remainder + slices.embed(dropped, owner), ctx.shape)
         update = scaled(tf.reshape(total, ctx.shape), replicas.divisor)
         return Outcome(update, new_residual, shared=(gathered_values,))
-
-    def _compress(self, tensor, ctx, replica_id) -> Payload:
-        raise NotImplementedError(
-            f"{self!r} runs its own exchange (an all-to-all, then an all-gather): use it "
-            "through SparsifiedOptimizer, GradientPipeline or tf_sparsify.horovod, not "
-            "compress()."
-        )
 
     def get_config(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "k": self.k}

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tf_sparsify.compressors import bits
 from tf_sparsify.compressors.base import (
-    Compressor,
+    Codec,
     Context,
     Payload,
     check_seed,
@@ -17,7 +17,7 @@ from tf_sparsify.compressors.base import (
 from tf_sparsify.ops import xla
 
 
-class TernGrad(Compressor):
+class TernGrad(Codec):
     """``Q(v)_i = ||v||_inf * sign(v_i) * Bernoulli(|v_i| / ||v||_inf)``, without clipping.
 
     Payload: 2-bit codes (4 per byte) and the float32 scale ``||v||_inf``.
@@ -60,7 +60,7 @@ class TernGrad(Compressor):
         return {"seed": self.seed}
 
 
-class ScaledSign(Compressor):
+class ScaledSign(Codec):
     """``(||x||_1 / d) * sign(x)`` with 1 bit per entry (EF-signSGD); biased.
 
     Zeros are sent as +1 (one bit has no room for 0); error feedback absorbs the difference.

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tf_sparsify import ops
 from tf_sparsify.compressors.base import (
-    Compressor,
+    Codec,
     Context,
     Payload,
     check_positive_int,
@@ -22,7 +22,7 @@ from tf_sparsify.ops.index_code import index_code_bytes
 VALUE_DTYPES = ("float16", "bfloat16")
 
 
-class TopK(Compressor):
+class TopK(Codec):
     """Exact top-k by magnitude, ties to the lowest index.
 
     Give exactly one of ``ratio`` (k = max(1, ceil(ratio * d))) or ``k``; a ``k`` larger than

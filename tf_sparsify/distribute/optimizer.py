@@ -13,7 +13,8 @@ from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.distribute.servers import Server, deserialize_server, serialize_server
 from tf_sparsify.keras import keras_private
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
-from tf_sparsify.pipeline import StepResult, mark_non_finite
+from tf_sparsify.memory import mark_non_finite
+from tf_sparsify.pipeline import StepResult
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")

@@ -38,8 +38,8 @@ from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
 from tf_sparsify.compressors.base import check_positive_int
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.horovod.collective import HorovodCollective
-from tf_sparsify.memory import VariableFactory
-from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, mark_non_finite
+from tf_sparsify.memory import VariableFactory, mark_non_finite
+from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit
 from tf_sparsify.state import ExchangeState
 
 

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import Compressor, deserialize
+from tf_sparsify.compressors.protocol import SparseUpdate
 from tf_sparsify.keras import (
     auto_jit,
     inner_options,
@@ -19,7 +20,7 @@ from tf_sparsify.keras import (
     sparse_sgd,
 )
 from tf_sparsify.options import ExchangeOptions
-from tf_sparsify.pipeline import GradientPipeline, SparseUpdate, StepResult
+from tf_sparsify.pipeline import GradientPipeline, StepResult
 from tf_sparsify.state import ExchangeState, StateViews
 
 

@@ -16,8 +16,8 @@ import keras
 import tensorflow as tf
 
 from tf_sparsify import ops
+from tf_sparsify.compressors.protocol import SparseUpdate
 from tf_sparsify.keras.inner_options import INNER_OPTIONS
-from tf_sparsify.pipeline import SparseUpdate
 
 #: inner options under which the update is no longer ``var -= learning_rate * update`` (the
 #: EMA's own settings matter only with ``use_ema``)
