@@ -50,7 +50,7 @@ class ExchangeOptions:
     skip_1d: bool = False
     momentum_correction: float = 0.0
     local_clipnorm: float | None = None
-    bucket_bytes: int | None = None
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self):
         if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
@@ -100,8 +100,7 @@ class ExchangeOptions:
         config = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            default = DEFAULT_BUCKET_BYTES if field.name == "bucket_bytes" else field.default
-            if field.name not in _WRITTEN_WHEN_SET or value != default:
+            if field.name not in _WRITTEN_WHEN_SET or value != field.default:
                 config[field.name] = value
         return config
 

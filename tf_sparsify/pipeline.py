@@ -332,7 +332,7 @@ class GradientPipeline:
         (the rules of :mod:`tf_sparsify.memory`); the message carries the protocol its
         payloads travel by (ending in a :class:`SparseUpdate` with ``sparse_update`` when the
         unit is one variable whose compressor sends entries)."""
-        g = _join([grads[i] for i in unit.indices])
+        g = _joined(grads, unit.indices)
         x = g
         if before.momentum is not None:
             x = memory.accumulate_momentum(before.momentum, g, self.momentum_correction)
@@ -345,8 +345,9 @@ class GradientPipeline:
             per_replica,
             sparse_update and len(unit.shapes) == 1,
         )
-        after = opening.after if opening.after is not None else UnitMemory()
-        return Message(unit, g, x, before, opening.payload, opening.ctx, opening.protocol, after)
+        return Message(
+            unit, g, x, before, opening.payload, opening.ctx, opening.protocol, opening.after
+        )
 
     def exchange(self, bucket: list[Message], collective: Collective) -> tf.Tensor:
         """Drive the bucket's protocols in lockstep: each round, one collective call per kind

@@ -20,7 +20,6 @@ from tf_sparsify import memory
 from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
 from tf_sparsify.compressors.base import MultiRoundExchange
 from tf_sparsify.measurements import STAT_NAMES
-from tf_sparsify.memory import VariableFactory
 from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
 
 
@@ -42,7 +41,7 @@ class ExchangeState:
     def __init__(
         self,
         pipeline: GradientPipeline,
-        make_variable: VariableFactory,
+        make_variable: memory.VariableFactory,
         step=None,
         workers: int | None = None,
     ):

@@ -19,10 +19,15 @@ def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _best_ms(rows: list[dict]) -> dict[tuple[str, str, str, str], float]:
+    """Best ms/step by (backend, model, rate, compressor)."""
+    return {(r["backend"], r["model"], r["rate"], r["compressor"]): r["best_ms"] for r in rows}
+
+
 def with_ratios(rows: list[dict]) -> list[dict]:
     """Each row plus ``x_dense`` (dense ms / its ms: > 1 is faster than dense) and ``x_fp16``,
     both against rows of the same job (backend, model, rate); None when that row is missing."""
-    best = {(r["backend"], r["model"], r["rate"], r["compressor"]): r["best_ms"] for r in rows}
+    best = _best_ms(rows)
     out = []
     for row in rows:
         job = (row["backend"], row["model"], row["rate"])
@@ -66,7 +71,7 @@ def overlap_markdown(rows: list[dict], rates: Sequence[str]) -> str:
     """Per (backend, model) with the probes: the TopK 1% step against the larger of its
     halves, ``max(compute, exchange only)`` (1.0 would be perfect overlap), with compute only
     and, when measured, compute in lockstep."""
-    best = {(r["backend"], r["model"], r["rate"], r["compressor"]): r["best_ms"] for r in rows}
+    best = _best_ms(rows)
     jobs = list(dict.fromkeys((r["backend"], r["model"]) for r in rows))
     lines = []
     for backend, model in jobs:
@@ -93,7 +98,7 @@ def overlap_markdown(rows: list[dict], rates: Sequence[str]) -> str:
 def fit_markdown(rows: list[dict], rates: Sequence[str]) -> str:
     """Per (backend, model) with the custom-loop probe: TopK 1% through ``model.fit`` against
     the same step in a custom loop, and against computing alone."""
-    best = {(r["backend"], r["model"], r["rate"], r["compressor"]): r["best_ms"] for r in rows}
+    best = _best_ms(rows)
     lines = []
     for backend, model in dict.fromkeys((r["backend"], r["model"]) for r in rows):
         cells = []

@@ -17,6 +17,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_sparsify.memory import UnitMemory
+
 #: the collective kinds a transfer can ask for
 SUM, GATHER, ALL_TO_ALL = "sum", "gather", "all_to_all"
 GATHER_ROWS = "gather_rows"
@@ -71,7 +73,7 @@ class Opening:
     protocol: Protocol
     ctx: Any
     payload: tuple[tf.Tensor, ...] = ()
-    after: Any = None
+    after: UnitMemory = UnitMemory()
 
 
 @dataclasses.dataclass(frozen=True)

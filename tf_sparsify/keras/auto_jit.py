@@ -16,18 +16,16 @@ from tf_sparsify.keras import keras_private
 
 def needs_no_xla(optimizer) -> bool:
     """Whether ``optimizer``, or an optimizer it wraps, cannot run under XLA."""
-    while optimizer is not None:
-        if getattr(optimizer, "runs_under_xla", True) is False:
-            return True
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return False
+    from tf_sparsify.keras.optimizer import find_sparsified
+
+    sparsified = find_sparsified(optimizer)
+    return sparsified is not None and not sparsified.runs_under_xla
 
 
+@functools.cache
 def install() -> None:
     """Make Keras resolve ``"auto"`` to ``False`` for a model whose optimizer
     :func:`needs_no_xla` (once per process)."""
-    if _installed:
-        return
 
     def wrap(resolve):
         @functools.wraps(resolve)
@@ -39,7 +37,3 @@ def install() -> None:
         return resolve_auto_jit_compile
 
     keras_private.wrap_auto_jit_compile(wrap)
-    _installed.append(True)
-
-
-_installed: list[bool] = []

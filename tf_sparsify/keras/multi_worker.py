@@ -37,7 +37,7 @@ from tf_sparsify.keras import keras_private
 _repaired_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tf_sparsify_multi_worker_fit", default=False
 )
-_state: dict[str, Any] = {"all_models": False, "installed": False}
+_state: dict[str, Any] = {"all_models": False}
 
 
 def enable_multi_worker_fit() -> None:
@@ -48,13 +48,11 @@ def enable_multi_worker_fit() -> None:
     install()
 
 
+@functools.cache
 def install() -> None:
-    """Wrap Keras' TF trainer once; the wrappers call Keras' own code for every model the
-    repair does not apply to. Idempotent."""
-    if _state["installed"]:
-        return
+    """Wrap Keras' TF trainer once per process; the wrappers call Keras' own code for every
+    model the repair does not apply to."""
     keras_private.wrap_trainer(_repairing, _build_from_local_batch, _reduce_scalars_over_workers)
-    _state["installed"] = True
 
 
 def applies_to(model) -> bool:
