@@ -14,6 +14,7 @@ from tf_sparsify.compressors import (
     TernGrad,
     TopK,
 )
+from tf_sparsify.exchange import GradientExchange
 from tf_sparsify.heuristics import dgc_density_schedule
 from tf_sparsify.keras import (
     CompressionDiagnostics,
@@ -23,6 +24,7 @@ from tf_sparsify.keras import (
 )
 from tf_sparsify.options import ExchangeOptions
 from tf_sparsify.pipeline import GradientPipeline
+from tf_sparsify.transports import Transport
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,7 @@ __all__ = [
     "Compressor",
     "DensityWarmup",
     "ExchangeOptions",
+    "GradientExchange",
     "GradientPipeline",
     "Identity",
     "PowerSGD",
@@ -44,6 +47,7 @@ __all__ = [
     "SparsifiedOptimizer",
     "TernGrad",
     "TopK",
+    "Transport",
     "dgc_density_schedule",
     "distribute",
     "theory",

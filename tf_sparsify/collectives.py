@@ -6,7 +6,12 @@ Every front end (Keras on one device, tf.distribute, Horovod) is one of these be
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import tensorflow as tf
+
+if TYPE_CHECKING:
+    from tf_sparsify.pipeline import StepResult
 
 
 class Collective:
@@ -22,6 +27,15 @@ class Collective:
 
     def replica_id(self) -> tf.Tensor:
         return tf.constant(0, tf.int32)
+
+    def enter(self, grads: list) -> list:
+        """The step's gradients in the layout the state core was planned on (its
+        :class:`~tf_sparsify.transports.Transport`'s ``layout``): as they are by default."""
+        return grads
+
+    def leave(self, result: StepResult) -> StepResult:
+        """The step's result in the variables' layout again (as it is by default)."""
+        return result
 
     def all_reduce_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         raise NotImplementedError

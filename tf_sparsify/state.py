@@ -6,7 +6,7 @@ momentum buffers, the step counter that keys random choices, byte counters and t
 record. This class holds those variables and writes each step's result back by the rules of
 :mod:`tf_sparsify.memory` (residuals and momenta only when the step was finite on every
 replica); the counters advance by what was actually sent. Front ends say only how a variable is made
-(``make_variable``) and how payloads travel (a :class:`~tf_sparsify.collectives.Collective`).
+(``make_variable``) and how payloads travel (a :class:`~tf_sparsify.transports.Transport`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
 from tf_sparsify.compressors.base import MultiRoundExchange
 from tf_sparsify.measurements import STAT_NAMES
 from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
+from tf_sparsify.transports import Transport
 
 
 class ExchangeState:
@@ -29,26 +30,26 @@ class ExchangeState:
     Args:
         pipeline: what a step does with the gradients.
         make_variable: the front end's way to make (and track) a zero variable.
+        transport: how payloads travel (``None``: tf.distribute's replica context, or one
+            replica). With simulated workers (``transport.simulated_workers = P``) buffers get a
+            leading axis of ``P`` and :meth:`run` takes gradients stacked as ``[P, *shape]``.
         step: a counter variable to use as the step (the Keras optimizer's own iterations);
-            ``None`` makes one named ``"step"``.
-        workers: ``P`` workers simulated on one replica: buffers get a leading axis of ``P``
-            and :meth:`run` takes gradients stacked as ``[P, *shape]``.
+            ``None`` makes one named ``"step"`` when built.
     """
-
-    #: :meth:`run` can return :class:`~tf_sparsify.pipeline.SparseUpdate` updates
-    gives_sparse_updates = True
 
     def __init__(
         self,
         pipeline: GradientPipeline,
         make_variable: memory.VariableFactory,
+        transport: Transport | None = None,
         step=None,
-        workers: int | None = None,
     ):
+        self.transport = Transport() if transport is None else transport
+        self.transport.check(pipeline)
         self.pipeline = pipeline
         self._make = make_variable
         self.step = step
-        self.workers = workers
+        self.workers = self.transport.simulated_workers
         self.units: list[Unit] = []
         self.residuals: list = []
         self.momenta: list = []
@@ -63,9 +64,23 @@ class ExchangeState:
     def built(self) -> bool:
         return self.bytes_sent is not None
 
+    @property
+    def gives_sparse_updates(self) -> bool:
+        """Whether :meth:`run` can return :class:`~tf_sparsify.pipeline.SparseUpdate` updates."""
+        return not self.transport.mean_only
+
+    def collective(self, grads: Sequence | None = None) -> Collective:
+        """The transport's collective for a step on ``grads`` (``None``: every variable has
+        a gradient)."""
+        present = None if grads is None else tuple(g is not None for g in grads)
+        return self.transport.collective(self.pipeline, self.units, present)
+
     # -- state --------------------------------------------------------------------------------
     def build(self, variables: Sequence) -> None:
-        """Plan the messages for ``variables`` and make their buffers and counters."""
+        """Plan the messages for ``variables`` (in the transport's layout) and make their
+        buffers and counters."""
+        self.transport.build()
+        variables = self.transport.layout(variables)
         shapes = [tf.TensorShape(v.shape) for v in variables]
         dtypes = [tf.as_dtype(v.dtype) for v in variables]
         names = [getattr(v, "path", None) or v.name for v in variables]
@@ -119,7 +134,9 @@ class ExchangeState:
     def set_pipeline(self, pipeline: GradientPipeline, variables: Sequence | None) -> None:
         """Use ``pipeline`` from now on; when built (``variables`` given), its plan must need
         the same buffers, which carry over."""
+        self.transport.check(pipeline)
         if variables is not None and self.built:
+            variables = self.transport.layout(variables)
             shapes = [tf.TensorShape(v.shape) for v in variables]
             units = pipeline.plan(shapes, [tf.as_dtype(v.dtype) for v in variables])
             n = len(variables)
@@ -132,6 +149,7 @@ class ExchangeState:
             names = [getattr(v, "path", None) or v.name for v in variables]
             self.names = tuple(_unit_name(u, names) for u in units)
         self.pipeline = pipeline
+        self.transport.replan()
 
     @property
     def bytes_per_step(self) -> tuple[int, int]:
@@ -153,8 +171,13 @@ class ExchangeState:
         along a leading axis (for delayed updates and IAG). ``finish``: what a front end does
         with the step's result before the state is written (its updates and ``finite`` count).
         ``sparse_updates``: see :meth:`GradientPipeline.run_step` (not for simulated workers).
+        ``collective`` turns ``grads`` into the transport's layout and the result back.
         """
-        grads = list(grads)
+        if self.transport.mean_only and (per_replica or finish is not None or sparse_updates):
+            raise ValueError(
+                f"{type(self.transport).__name__} returns the averaged dense update only."
+            )
+        grads = collective.enter(list(grads))
         record = None
         if self.diagnostics is not None:
             record = tf.equal(self.step % self.diagnostics_every, 0)
@@ -173,6 +196,7 @@ class ExchangeState:
             )
         else:
             result = self._run_workers(grads, record)
+        result = collective.leave(result)
         if finish is not None:
             result = finish(result)
         self._write_back(result, record)

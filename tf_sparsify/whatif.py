@@ -57,6 +57,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
+from tf_sparsify.compressors.powersgd import PowerSGD
+from tf_sparsify.compressors.qsgd import QSGD
+from tf_sparsify.compressors.topk import TopK
 from tf_sparsify.ops.index_code import index_code_bytes
 
 Schedule = Literal["ring", "logarithmic"]
@@ -64,7 +67,6 @@ Overlap = Literal["none", "full"]
 SCHEDULES = ("ring", "logarithmic")
 OVERLAPS = ("none", "full")
 MAX_INT32_ELEMENTS = 2**31 - 1
-MAX_QSGD_LEVELS = 32767
 
 
 # -- input checks ------------------------------------------------------------------------------
@@ -96,7 +98,8 @@ class Link:
     round (alpha).
 
     ``shared``: one medium for all workers of a collective (their bytes add up);
-    ``burst_bytes``: a token bucket's depth, sent at once after the compute phase (shared only);
+    ``burst_bytes``: a token bucket's depth, sent at once after the compute phase (only with
+    ``shared``: the bucket is the one medium's limit, so nonzero on an unshared link is an error);
     ``host_bandwidth``: bytes/s one worker's host can push (``math.inf``: no limit);
     ``call_overhead``: seconds per collective call whatever ``P`` (framework software:
     negotiation, fusion buffers, launch), on top of ``latency`` per round.
@@ -115,6 +118,11 @@ class Link:
                 _number(name, getattr(self, name), inclusive=False)
         _number("latency", self.latency)
         _number("burst_bytes", self.burst_bytes)
+        if self.burst_bytes and not self.shared:
+            raise ValueError(
+                "`burst_bytes` (a token bucket's depth) applies only to a shared medium "
+                f"(`shared=True`); got burst_bytes={self.burst_bytes!r} with shared=False"
+            )
         _number("call_overhead", self.call_overhead)
 
 
@@ -239,8 +247,8 @@ class Method(Protocol):
 
 
 def topk_entries(size: int, ratio: float) -> int:
-    """``max(1, ceil(ratio * d))`` clamped to ``d``, as :class:`tf_sparsify.TopK` selects."""
-    return min(size, max(1, math.ceil(ratio * size)))
+    """How many entries :class:`tf_sparsify.TopK` selects of ``size`` at ``ratio``."""
+    return TopK(ratio=ratio).num_selected(size)
 
 
 def _index_bytes(size: int, index_bytes: float | None) -> float:
@@ -299,9 +307,7 @@ class TopKAllGather:
 
 
 def _check_topk(method: TopKAllGather | TopKSplitReduce) -> None:
-    ratio = _number("ratio", method.ratio, inclusive=False)
-    if ratio > 1:
-        raise ValueError(f"`ratio` must be in (0, 1]; got {ratio!r}")
+    TopK(ratio=method.ratio)  # checks ratio
     _number("value_bytes", method.value_bytes, inclusive=False)
     if method.index_bytes is not None:
         _number("index_bytes", method.index_bytes, inclusive=False)
@@ -340,16 +346,15 @@ class QSGDAllGather:
     name: str = "qsgd"
 
     def __post_init__(self):
-        _integer("levels", self.levels)
-        if self.levels > MAX_QSGD_LEVELS:
-            raise ValueError(f"`levels` must be <= {MAX_QSGD_LEVELS}; got {self.levels!r}")
-        if self.bucket_size is not None:
-            _integer("bucket_size", self.bucket_size)
+        self.compressor()  # checks levels and bucket_size
+
+    def compressor(self) -> QSGD:
+        return QSGD(self.levels, bucket_size=self.bucket_size)
 
     def payload_bytes(self, layers: Layers) -> float:
-        level_bytes = 1 if self.levels <= 127 else 2
-        bucket = self.bucket_size
-        return sum(d * level_bytes + 4 * math.ceil(d / min(bucket or d, d)) for d in layers.sizes)
+        """What :class:`tf_sparsify.QSGD` sends for each tensor."""
+        qsgd = self.compressor()
+        return sum(qsgd.wire_bytes(d) for d in layers.sizes)
 
     def transfers(self, layers: Layers, cluster: Cluster) -> list[Transfer]:
         p, level = cluster.workers, cluster.flat_level
@@ -364,18 +369,19 @@ class PowerSGDAllReduce:
     name: str = "powersgd"
 
     def __post_init__(self):
-        _integer("rank", self.rank)
+        PowerSGD(self.rank)  # checks rank
 
     def factor_entries(self, layers: Layers) -> tuple[int, int]:
         """``(entries with the P factors, entries of the Q factors)``: dense tensors (vectors,
         and matrices where ``r (a + b) >= a b``) travel with ``P``."""
+        powersgd = PowerSGD(self.rank)
         first = second = 0
         for shape in layers.shapes:
-            a, b = math.prod(shape[:-1]), shape[-1]
-            if len(shape) >= 2 and self.rank * (a + b) < a * b:
-                first, second = first + self.rank * a, second + self.rank * b
+            dims = powersgd.matrix_shape(shape)
+            if dims is None:
+                first += math.prod(shape)
             else:
-                first += a * b
+                first, second = first + self.rank * dims[0], second + self.rank * dims[1]
         return first, second
 
     def payload_bytes(self, layers: Layers) -> float:

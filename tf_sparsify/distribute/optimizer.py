@@ -15,6 +15,7 @@ from tf_sparsify.keras import keras_private
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 from tf_sparsify.memory import mark_non_finite
 from tf_sparsify.pipeline import StepResult
+from tf_sparsify.transports import SimulatedWorkersTransport
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
@@ -60,17 +61,13 @@ class ServerOptimizer(SparsifiedOptimizer):
                 "`server` must be a tf_sparsify.distribute server (DelayedGradients, IAG); "
                 f"received server={server!r}"
             )
-        if workers is not None and (
-            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
-        ):
-            raise ValueError(f"`workers` must be None or an integer >= 1; received {workers=!r}")
-        super().__init__(inner_optimizer, compressor, **kwargs)
+        transport = None if workers is None else SimulatedWorkersTransport(workers)
+        super().__init__(inner_optimizer, compressor, transport=transport, **kwargs)
         if workers is not None and self.pipeline.local_clipnorm is not None:
             raise ValueError(
                 "`local_clipnorm` is not supported with simulated `workers`; "
                 f"received local_clipnorm={self.pipeline.local_clipnorm!r}, workers={workers!r}"
             )
-        self._state.workers = workers
         self.server = server
         self.simulated_workers = workers
         self.worker_count = workers

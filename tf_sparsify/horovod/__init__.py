@@ -27,6 +27,7 @@ from tf_sparsify.horovod.hierarchy import Topology, init
 from tf_sparsify.horovod.optimizer import DistributedOptimizer
 from tf_sparsify.horovod.rank0 import is_rank0, log0, verbose0
 from tf_sparsify.horovod.tape import DistributedGradientTape, GradientExchange
+from tf_sparsify.horovod.transport import HorovodTransport
 
 __all__ = [
     "BF16Compression",
@@ -36,6 +37,7 @@ __all__ = [
     "FP16Compression",
     "GradientExchange",
     "HorovodCollective",
+    "HorovodTransport",
     "MetricAverageCallback",
     "RandomKCompression",
     "TopKCompression",

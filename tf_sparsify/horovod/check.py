@@ -24,15 +24,24 @@ FIELDS = (
     "compressor",
     "pipeline options",
     "variable shapes and dtypes",
+    "variables without a gradient",
     "messages",
 )
 
 
 def plan_fields(
-    pipeline: GradientPipeline, units: Sequence[Unit], ranks_per_node: int | None = None
+    pipeline: GradientPipeline,
+    units: Sequence[Unit],
+    ranks_per_node: int | None = None,
+    present: Sequence[bool] | None = None,
 ) -> list[tuple[str, str]]:
     """``(field, description)`` pairs of a plan, aligned with :data:`FIELDS`
-    (``ranks_per_node``: the hierarchical exchange's, ``None`` for the flat one)."""
+    (``ranks_per_node``: the hierarchical exchange's, ``None`` for the flat one; ``present``:
+    which variables have a gradient in the step, ``None`` for all).
+
+    A variable's payload travels only from ranks that have its gradient, so ranks that differ
+    in which gradients are ``None`` would wait for each other forever: they fail here."""
+    missing = [] if present is None else [i for i, p in enumerate(present) if not p]
     options = {k: v for k, v in pipeline.get_config().items() if k != "compressor"}
     variables = sorted(
         (i, s.as_list(), u.dtype.name)
@@ -50,6 +59,7 @@ def plan_fields(
                 repr(pipeline.compressor),
                 repr(dict(sorted(options.items()))),
                 ", ".join(f"{dtype}{shape}" for _, shape, dtype in variables),
+                f"variables {missing}" if missing else "none",
                 repr(messages),
             ),
             strict=True,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -38,9 +38,8 @@ from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
 from tf_sparsify.compressors.base import check_positive_int
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.horovod.collective import HorovodCollective
-from tf_sparsify.memory import VariableFactory, mark_non_finite
+from tf_sparsify.memory import mark_non_finite
 from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit
-from tf_sparsify.state import ExchangeState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,10 +194,13 @@ def shard_of(variable, ranks_per_node: int) -> Shard:
 class HierarchicalCollective(Collective):
     """The transfers of a hierarchical step: the pipeline's payloads travel in this rank's lane
     (across nodes) and their sum is divided by all ranks; :attr:`node` sums and gathers inside
-    the node (``None`` with one rank per node).
+    the node (``None`` with one rank per node). :meth:`enter` turns the step's gradients into
+    this rank's shards of the node's sums, :meth:`leave` the shard updates into full updates.
 
     Args:
         topology: the registered :class:`Topology`.
+        shards: this rank's :class:`Shard` of each variable, ``shapes`` the variables' shapes.
+        buckets: the variable indices of each bucket, in the order they travel.
         after: a tensor every transfer waits for (the configuration check).
         across, within: int64 counters of the bytes handed to Horovod across nodes (the
             payloads) and within the node (the reduce-scatter and the all-gather).
@@ -207,6 +209,9 @@ class HierarchicalCollective(Collective):
     def __init__(
         self,
         topology: Topology,
+        shards: Sequence[Shard],
+        shapes: Sequence[tf.TensorShape],
+        buckets: list[list[int]],
         after: tf.Tensor | None = None,
         across: tf.Variable | None = None,
         within: tf.Variable | None = None,
@@ -223,6 +228,16 @@ class HierarchicalCollective(Collective):
         )
         self.num_replicas = self.lane.num_replicas
         self.divisor = self.lane.divisor
+        self._ranks_per_node = topology.ranks_per_node
+        self._shards = list(shards)
+        self._shapes = list(shapes)
+        self._buckets = buckets
+
+    def enter(self, grads: list) -> list:
+        return _scatter(self.node, grads, self._buckets, self._shards, self._ranks_per_node)
+
+    def leave(self, result: StepResult) -> StepResult:
+        return _gather(self.node, result, self._buckets, self._shapes)
 
     def replica_id(self) -> tf.Tensor:
         return self.lane.replica_id()
@@ -240,82 +255,11 @@ class HierarchicalCollective(Collective):
         return self.lane.all_gather_rows(tensors)
 
 
-class HierarchicalState(ExchangeState):
-    """The state core of the hierarchical exchange: it plans, compresses and keeps residuals,
-    momenta and compressor state per :class:`Shard` (so ``min_size`` and ``wire_bytes`` are
-    per shard); :meth:`run` takes the full gradients and returns the full updates.
-
-    Its updates are gathered dense. ``local_clipnorm`` is rejected (it clips each rank's own
-    gradients, which this exchange sums inside the node before anything is compressed), and so
-    are shape-aware compressors (PowerSGD factors matrices; the shards are flat).
-    """
-
-    gives_sparse_updates = False
-
-    def __init__(
-        self,
-        pipeline: GradientPipeline,
-        make_variable: VariableFactory,
-        ranks_per_node: int,
-        step=None,
-    ):
-        self.ranks_per_node = check_positive_int("ranks_per_node", ranks_per_node)
-        _check_pipeline(pipeline)
-        super().__init__(pipeline, make_variable, step)
-        self.topology: Topology | None = None
-        self.shapes: list[tf.TensorShape] = []
-        self.shards: list[Shard] = []
-
-    def build(self, variables: Sequence) -> None:
-        super().build(self._layout(variables))
-
-    def set_pipeline(self, pipeline: GradientPipeline, variables: Sequence | None) -> None:
-        _check_pipeline(pipeline)
-        super().set_pipeline(pipeline, None if variables is None else self._layout(variables))
-
-    def _layout(self, variables: Sequence) -> list[Shard]:
-        """This rank's shards of ``variables`` (the topology and shapes are noted)."""
-        self.topology = topology(self.ranks_per_node)
-        self.shapes = [tf.TensorShape(v.shape) for v in variables]
-        self.shards = [shard_of(v, self.ranks_per_node) for v in variables]
-        return self.shards
-
-    def run(
-        self,
-        grads: Sequence,
-        collective: HierarchicalCollective,
-        per_replica: bool = False,
-        finish: Callable[[StepResult], StepResult] | None = None,
-        sparse_updates: bool = False,
-    ) -> StepResult:
-        """One step on the full ``grads`` (build order): node sums, the state core on this
-        rank's shards, and the full updates gathered inside the node."""
-        if per_replica or finish is not None or sparse_updates:
-            raise ValueError("The hierarchical exchange returns the dense averaged update only.")
-        buckets = _buckets(self.units)
-        shards = _scatter(collective.node, list(grads), buckets, self.shards, self.ranks_per_node)
-
-        def gather(result: StepResult) -> StepResult:
-            return _gather(collective.node, result, buckets, self.shapes)
-
-        return super().run(shards, collective, finish=gather)
-
-
-def horovod_collective(
-    state: ExchangeState,
-    after: tf.Tensor,
-    payload_bytes: tf.Variable,
-    within_bytes: tf.Variable,
-) -> Collective:
-    """The collective a Horovod front end hands ``state`` for one step: flat, or hierarchical
-    for a :class:`HierarchicalState` (its payload bytes are then the bytes across nodes)."""
-    if isinstance(state, HierarchicalState):
-        return HierarchicalCollective(state.topology, after, payload_bytes, within_bytes)
-    return HorovodCollective(after, payload_bytes)
-
-
-def _check_pipeline(pipeline: GradientPipeline) -> None:
-    """ValueError for options the hierarchical exchange cannot honour."""
+def check_pipeline(pipeline: GradientPipeline) -> None:
+    """ValueError for options the hierarchical exchange cannot honour: ``local_clipnorm`` (it
+    clips each rank's own gradients, which this exchange sums inside the node before anything
+    is compressed) and shape-aware compressors (PowerSGD factors matrices; the shards are
+    flat)."""
     if pipeline.local_clipnorm is not None:
         raise ValueError(
             "`local_clipnorm` clips each rank's own gradients, but with ranks_per_node the "
@@ -329,7 +273,7 @@ def _check_pipeline(pipeline: GradientPipeline) -> None:
         )
 
 
-def _buckets(units: Sequence[Unit]) -> list[list[int]]:
+def buckets(units: Sequence[Unit]) -> list[list[int]]:
     """The variable indices of each bucket, buckets in the order they travel."""
     by_bucket: dict[int, list[int]] = {}
     for unit in sorted(units, key=lambda u: u.bucket):

@@ -7,18 +7,16 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
-from tf_sparsify.horovod.hierarchy import HierarchicalState
-from tf_sparsify.horovod.link import HorovodLink
-from tf_sparsify.keras import keras_private
+from tf_sparsify.horovod.transport import HorovodTransport
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
 class DistributedOptimizer(SparsifiedOptimizer):
-    """A :class:`~tf_sparsify.keras.SparsifiedOptimizer` whose payloads travel by Horovod.
+    """A :class:`~tf_sparsify.keras.SparsifiedOptimizer` whose payloads travel by Horovod (its
+    transport is a :class:`~tf_sparsify.horovod.HorovodTransport`).
 
     For ``model.compile`` / ``model.fit`` under ``horovodrun``: sparse payloads by
     ``hvd.grouped_allgather``, summable ones by ``hvd.grouped_allreduce`` (``Sum``), one group
@@ -53,49 +51,33 @@ class DistributedOptimizer(SparsifiedOptimizer):
         ranks_per_node: int | None = None,
         **kwargs: Any,
     ):
-        super().__init__(optimizer, Identity() if compressor is None else compressor, **kwargs)
-        self.ranks_per_node = ranks_per_node
-        if ranks_per_node is not None:
-            every = self.diagnostics_every
-            self._state = HierarchicalState(
-                self.pipeline, self._make_variable, ranks_per_node, step=self._state.step
-            )
-            self._state.enable_diagnostics(every)
-        self._link = HorovodLink(ranks_per_node)
+        super().__init__(
+            optimizer,
+            Identity() if compressor is None else compressor,
+            transport=HorovodTransport(ranks_per_node),
+            **kwargs,
+        )
 
-    @keras_private.no_automatic_dependency_tracking
-    def build(self, var_list):
-        super().build(var_list)
-        self._link.build()
+    @property
+    def ranks_per_node(self) -> int | None:
+        return self.transport.ranks_per_node
 
     @property
     def bytes_to_horovod(self) -> tf.Variable:
         """Payload bytes this process has handed to Horovod's collectives (not checkpointed);
         with ``ranks_per_node``, the bytes that crossed nodes."""
-        return self._link.horovod_bytes
+        return self.transport.horovod_bytes
 
     @property
     def bytes_across_nodes(self) -> tf.Variable | None:
         """With ``ranks_per_node``: the payload bytes this process sent across nodes."""
-        return self._link.bytes_across_nodes
+        return self.transport.bytes_across_nodes
 
     @property
     def bytes_within_nodes(self) -> tf.Variable | None:
         """With ``ranks_per_node``: the dense bytes this process handed to the reduce-scatter
         and all-gather inside its node."""
-        return self._link.bytes_within_nodes
-
-    @property
-    def runs_under_xla(self) -> bool:
-        """Never: Horovod's ops have no XLA kernels here."""
-        return False
-
-    def collective(self) -> Collective:
-        return self._link.collective(self._state)
-
-    def set_compressor(self, compressor: Compressor) -> None:
-        super().set_compressor(compressor)
-        self._link.recheck()
+        return self.transport.bytes_within_nodes
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

@@ -18,40 +18,25 @@ saves its residuals and step), and each step's tape is wrapped around it::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
+from tf_sparsify import exchange
 from tf_sparsify.compressors.base import Compressor
-from tf_sparsify.compressors.dense import Identity
-from tf_sparsify.horovod.collective import reject_xla
-from tf_sparsify.horovod.hierarchy import HierarchicalState
-from tf_sparsify.horovod.link import HorovodLink
-from tf_sparsify.pipeline import GradientPipeline
-from tf_sparsify.state import ExchangeState, StateViews
+from tf_sparsify.horovod.transport import HorovodTransport
 
 
-class GradientExchange(StateViews, tf.Module):
-    """Compress, exchange through Horovod and average one list of gradients per step.
+class GradientExchange(exchange.GradientExchange):
+    """A :class:`tf_sparsify.GradientExchange` whose payloads travel by Horovod (its transport
+    is a :class:`~tf_sparsify.horovod.HorovodTransport`), averaged over the ranks.
 
-    The same :class:`~tf_sparsify.pipeline.GradientPipeline`,
-    :class:`~tf_sparsify.state.ExchangeState` and
-    :class:`~tf_sparsify.horovod.HorovodCollective` as
-    :class:`~tf_sparsify.horovod.DistributedOptimizer`, with the state held here: residuals
-    (error feedback), momentum buffers (``momentum_correction``), the step counter that keys
-    random choices, the byte counters ``bytes_sent`` / ``dense_bytes`` and, with
-    ``diagnostics_every``, the diagnostics record — made on the first call, checkpointed with
-    this module (``tf.train.Checkpoint(exchange=...)``). ``bytes_to_horovod`` (what the
-    collectives handed to Horovod) is not checkpointed. An exchange serves one list of
-    variables; its first call in each process runs the ranks' configuration check (also after
-    a restore from a checkpoint).
+    ``bytes_to_horovod`` (what the collectives handed to Horovod) is not checkpointed. The
+    first call in each process runs the ranks' configuration check (also after a restore from
+    a checkpoint).
 
-    Args: a compressor (``None`` is ``Identity()``) and the exchange options
-    (:class:`~tf_sparsify.options.ExchangeOptions`) as keyword arguments, plus
-    ``diagnostics_every`` (record the norm gap, residual norm and density every that many
-    steps in :attr:`diagnostics`; 0 is off) and ``ranks_per_node`` (the hierarchical exchange,
-    as in :class:`~tf_sparsify.horovod.DistributedOptimizer`; its byte counters are
+    Args: as :class:`tf_sparsify.GradientExchange`, plus ``ranks_per_node`` (the hierarchical
+    exchange, as in :class:`~tf_sparsify.horovod.DistributedOptimizer`; its byte counters are
     ``bytes_across_nodes`` and ``bytes_within_nodes``).
     """
 
@@ -63,86 +48,25 @@ class GradientExchange(StateViews, tf.Module):
         name: str | None = None,
         **options: Any,
     ):
-        super().__init__(name=name)
-        pipeline = GradientPipeline(Identity() if compressor is None else compressor, **options)
-        #: the state's variables in the order they were made (what checkpoints hold)
-        self._state_variables: list[tf.Variable] = []
-        self.ranks_per_node = ranks_per_node
-        self._state = (
-            ExchangeState(pipeline, self._make_variable)
-            if ranks_per_node is None
-            else HierarchicalState(pipeline, self._make_variable, ranks_per_node)
+        super().__init__(
+            compressor, HorovodTransport(ranks_per_node), diagnostics_every, name, **options
         )
-        self._state.step = self._make_variable("step", (), tf.int64, "shared")
-        self._state.enable_diagnostics(diagnostics_every)
-        # The variables' signature and the per-process state, kept out of checkpoints (plain
-        # objects are not tracked by tf.Module).
-        self._signature: list | None = None
-        self._link = HorovodLink(ranks_per_node)
-        self._link.build()
-
-    def _make_variable(self, name: str, shape, dtype, kind: str) -> tf.Variable:
-        del kind  # one process is one replica: every variable is its own
-        with tf.init_scope():
-            variable = tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)
-        self._state_variables.append(variable)
-        return variable
 
     @property
-    def pipeline(self) -> GradientPipeline:
-        return self._state.pipeline
-
-    @property
-    def step(self) -> tf.Variable:
-        return self._state.step
+    def ranks_per_node(self) -> int | None:
+        return self.transport.ranks_per_node
 
     @property
     def bytes_to_horovod(self) -> tf.Variable:
-        return self._link.horovod_bytes
+        return self.transport.horovod_bytes
 
     @property
     def bytes_across_nodes(self) -> tf.Variable | None:
-        return self._link.bytes_across_nodes
+        return self.transport.bytes_across_nodes
 
     @property
     def bytes_within_nodes(self) -> tf.Variable | None:
-        return self._link.bytes_within_nodes
-
-    def needs_state(self) -> bool:
-        """Whether this exchange must outlive one tape: it keeps residuals or momenta, or
-        draws randomness."""
-        pipeline = self.pipeline
-        stateful = pipeline.error_feedback or pipeline.momentum_correction > 0
-        return stateful or pipeline.compressor.randomized
-
-    def updates(
-        self, grads: Sequence[tf.Tensor | None], variables: Sequence
-    ) -> list[tf.Tensor | None]:
-        """The mean over ranks of the decompressed payloads, aligned with ``grads``.
-
-        ``None`` gradients stay ``None`` (their variables' state is left alone). Residuals and
-        momenta are written only when the step was finite on every rank.
-        """
-        reject_xla()
-        grads, variables = list(grads), list(variables)
-        self._build(variables)
-        return self._state.run(grads, self._link.collective(self._state)).updates
-
-    def _build(self, variables: list) -> None:
-        signature = [(list(v.shape), tf.as_dtype(v.dtype).name) for v in variables]
-        if self._signature is not None:
-            if signature != self._signature:
-                raise ValueError(
-                    "This GradientExchange was built for other variables "
-                    f"({self._signature}); received {signature}. Use one exchange per "
-                    "list of variables."
-                )
-            return
-        if self._state.built:  # restored: the buffers exist, only the plan is per process
-            self._state.set_pipeline(self.pipeline, variables)
-        else:
-            self._state.build(variables)
-        self._signature = signature
+        return self.transport.bytes_within_nodes
 
 
 class DistributedGradientTape:

@@ -2,6 +2,7 @@
 
 from tf_sparsify.keras.callbacks import CompressionStats
 from tf_sparsify.keras.diagnostics import CompressionDiagnostics, plot_diagnostics
+from tf_sparsify.keras.keras_private import skip_gradient_all_reduce
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer, find_sparsified
 from tf_sparsify.keras.warmup import DensityWarmup
 
@@ -11,5 +12,6 @@ __all__ = [
     "DensityWarmup",
     "SparsifiedOptimizer",
     "find_sparsified",
+    "skip_gradient_all_reduce",
     "plot_diagnostics",
 ]

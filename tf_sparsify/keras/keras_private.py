@@ -152,6 +152,14 @@ def disable_dense_all_reduce(optimizer: keras.optimizers.Optimizer | None) -> No
         optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
+def skip_gradient_all_reduce(optimizer: keras.optimizers.Optimizer):
+    """``optimizer`` (returned) without the dense gradient all-reduce Keras' TF optimizers run
+    in a replica context: for custom loops under ``tf.distribute`` whose gradients a
+    :class:`tf_sparsify.GradientExchange` has already exchanged."""
+    disable_dense_all_reduce(optimizer)
+    return optimizer
+
+
 def _pass_through(grads_and_vars):
     return list(grads_and_vars)
 

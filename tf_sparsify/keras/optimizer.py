@@ -8,7 +8,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_sparsify.collectives import Collective, current_collective
+from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor, deserialize
 from tf_sparsify.compressors.protocol import SparseUpdate
 from tf_sparsify.keras import (
@@ -22,6 +22,7 @@ from tf_sparsify.keras import (
 from tf_sparsify.options import ExchangeOptions
 from tf_sparsify.pipeline import GradientPipeline, StepResult
 from tf_sparsify.state import ExchangeState, StateViews
+from tf_sparsify.transports import Transport
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
@@ -49,6 +50,10 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         diagnostics_every: every this many steps, record the norm gap, residual norm and
             density of the step in ``diagnostics`` (0 = off; the
             :class:`~tf_sparsify.keras.CompressionDiagnostics` callback turns it on itself).
+        transport: how payloads travel (:class:`~tf_sparsify.transports.Transport`): ``None``
+            is tf.distribute's replica context (one replica outside strategies); Horovod's
+            :class:`~tf_sparsify.horovod.DistributedOptimizer` is this wrapper with a
+            :class:`~tf_sparsify.horovod.HorovodTransport`.
 
     With a plain ``keras.optimizers.SGD`` inside (no momentum, weight decay, clipping, EMA, loss
     scale factor or accumulation), outside ``tf.distribute`` strategies and XLA and without a
@@ -76,6 +81,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         compressor: Compressor,
         name: str | None = None,
         diagnostics_every: int = 0,
+        transport: Transport | None = None,
         **kwargs: Any,
     ):
         options = ExchangeOptions.take(kwargs)
@@ -101,7 +107,10 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         if pipeline.momentum_correction > 0:
             _check_no_inner_momentum(inner_optimizer)
         self._state = ExchangeState(
-            pipeline, self._make_variable, step=keras_private.iterations_variable(self)
+            pipeline,
+            self._make_variable,
+            transport,
+            step=keras_private.iterations_variable(self),
         )
         self._state.enable_diagnostics(diagnostics_every)
 
@@ -112,6 +121,10 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     @property
     def compressor(self) -> Compressor:
         return self.pipeline.compressor
+
+    @property
+    def transport(self) -> Transport:
+        return self._state.transport
 
     # -- state --------------------------------------------------------------------------------
     @keras_private.no_automatic_dependency_tracking
@@ -151,7 +164,8 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
 
         Everything else (error feedback, scope, sizes, heuristics) stays; residuals and momenta
         carry over. The plan and the byte counts are recomputed, so the statistics stay
-        truthful once the step is retraced (``model.make_train_function(force=True)``).
+        truthful once the step is retraced (``model.make_train_function(force=True)``); the
+        transport is told (Horovod's ranks compare their plans again).
         """
         variables = keras_private.trainable_variables(self) if self.built else None
         self._state.set_pipeline(self.pipeline.with_compressor(deserialize(compressor)), variables)
@@ -266,7 +280,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         if scale is not None:
             ordered = [None if g is None else _times(g, 1.0 / scale) for g in ordered]
         with keras.name_scope(self.name, caller=self):
-            result = self.exchange(ordered, self.collective())
+            result = self.exchange(ordered, self.collective(ordered))
         updates = result.updates
         if scale is not None:
             updates = [None if u is None else _times(u, scale) for u in updates]
@@ -288,14 +302,12 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     def runs_under_xla(self) -> bool:
         """Whether XLA can compile a step of this optimizer (Keras' ``jit_compile="auto"``
         resolves to ``False`` where it cannot: :mod:`tf_sparsify.keras.auto_jit`)."""
-        return self.compressor.runs_under_xla
+        return self.compressor.runs_under_xla and self.transport.runs_under_xla
 
-    def collective(self) -> Collective:
-        """How this step's payloads travel: tf.distribute's replica context, or nowhere.
-
-        Front ends with their own transport (Horovod) override this and nothing else.
-        """
-        return current_collective()
+    def collective(self, grads: list | None = None) -> Collective:
+        """How a step's payloads travel: the transport's collective for a step on ``grads``
+        (in build order; ``None``: every variable has a gradient)."""
+        return self._state.collective(grads)
 
     def exchange(self, grads: list, collective: Collective) -> StepResult:
         """One step of the state core on gradients in build order (residuals, momenta,

@@ -1,0 +1,154 @@
+"""``GradientExchange``: the exchange state of a custom training loop, for any transport.
+
+A custom loop computes its gradients itself and wants them exchanged: compressed, carried to the
+other replicas, averaged. The error-feedback residuals, momenta and the step that keys random
+choices must outlive each step, so they live here, in a ``tf.Module`` made once next to the
+model (``tf.train.Checkpoint(exchange=...)`` saves them). Each step::
+
+    updates = exchange.updates(grads, model.trainable_variables)
+    optimizer.apply(updates, model.trainable_variables)
+
+The transport says how payloads travel: tf.distribute's replica context by default (call
+:meth:`GradientExchange.updates` inside ``strategy.run``), Horovod with
+:class:`~tf_sparsify.horovod.GradientExchange`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from tf_sparsify.compressors.base import Compressor
+from tf_sparsify.compressors.dense import Identity
+from tf_sparsify.pipeline import GradientPipeline
+from tf_sparsify.state import ExchangeState, StateViews
+from tf_sparsify.transports import Transport
+
+#: how a cross-replica read combines each kind of state variable under a strategy
+_AGGREGATION = {
+    "per_replica": tf.VariableAggregation.SUM,
+    "per_replica_mean": tf.VariableAggregation.MEAN,
+    "replicated": tf.VariableAggregation.ONLY_FIRST_REPLICA,
+}
+
+
+class GradientExchange(StateViews, tf.Module):
+    """Compress, exchange and average one list of gradients per step.
+
+    The same :class:`~tf_sparsify.pipeline.GradientPipeline` and
+    :class:`~tf_sparsify.state.ExchangeState` as the Keras optimizer wrapper, with the state
+    held here: residuals (error feedback), momentum buffers (``momentum_correction``), the step
+    counter that keys random choices, the byte counters ``bytes_sent`` / ``dense_bytes`` and,
+    with ``diagnostics_every``, the diagnostics record. An exchange serves one list of
+    variables.
+
+    Under a ``tf.distribute`` strategy make it (and :meth:`build` it) in ``strategy.scope()``:
+    each replica then keeps its own residuals (sync-on-read variables). The updates are the
+    sum over replicas of the decompressed payloads (Keras and ``tf.nn.compute_average_loss``
+    scale each replica's loss by ``1 / replicas``): apply them with an optimizer that does not
+    all-reduce them again (:func:`tf_sparsify.keras.skip_gradient_all_reduce`).
+
+    Args: a compressor (``None`` is ``Identity()``), the transport (``None``: tf.distribute's
+    replica context, or one replica), ``diagnostics_every`` (record the norm gap, residual norm
+    and density every that many steps in :attr:`diagnostics`; 0 is off) and the exchange
+    options (:class:`~tf_sparsify.options.ExchangeOptions`) as keyword arguments.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor | None = None,
+        transport: Transport | None = None,
+        diagnostics_every: int = 0,
+        name: str | None = None,
+        **options: Any,
+    ):
+        super().__init__(name=name)
+        pipeline = GradientPipeline(Identity() if compressor is None else compressor, **options)
+        #: the state's variables in the order they were made (what checkpoints hold)
+        self._state_variables: list[tf.Variable] = []
+        self._state = ExchangeState(pipeline, self._make_variable, transport)
+        self._state.step = self._make_variable("step", (), tf.int64, "shared")
+        self._state.enable_diagnostics(diagnostics_every)
+        # The variables' signature, kept out of checkpoints (plain objects are not tracked).
+        self._signature: list | None = None
+
+    def _make_variable(self, name: str, shape, dtype, kind: str) -> tf.Variable:
+        """A zero variable; under a strategy each replica writes its own copy of per-replica
+        kinds (sync-on-read), and counters are written by the first replica."""
+        sync = {}
+        if tf.distribute.has_strategy():
+            if kind in _AGGREGATION:
+                sync = {
+                    "synchronization": tf.VariableSynchronization.ON_READ,
+                    "aggregation": _AGGREGATION[kind],
+                }
+            else:
+                sync = {"aggregation": tf.VariableAggregation.ONLY_FIRST_REPLICA}
+        with tf.init_scope():
+            variable = tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name, **sync)
+        self._state_variables.append(variable)
+        return variable
+
+    @property
+    def pipeline(self) -> GradientPipeline:
+        return self._state.pipeline
+
+    @property
+    def transport(self) -> Transport:
+        return self._state.transport
+
+    @property
+    def step(self) -> tf.Variable:
+        return self._state.step
+
+    def needs_state(self) -> bool:
+        """Whether this exchange must outlive one step: it keeps residuals or momenta, or
+        draws randomness."""
+        pipeline = self.pipeline
+        stateful = pipeline.error_feedback or pipeline.momentum_correction > 0
+        return stateful or pipeline.compressor.randomized
+
+    def build(self, variables: Sequence) -> None:
+        """Plan the messages for ``variables`` and make their buffers (done by the first
+        :meth:`updates` call outside a replica context; under a strategy call it in
+        ``strategy.scope()`` before the first step)."""
+        variables = list(variables)
+        signature = [(list(v.shape), tf.as_dtype(v.dtype).name) for v in variables]
+        if self._signature is not None:
+            if signature != self._signature:
+                raise ValueError(
+                    "This GradientExchange was built for other variables "
+                    f"({self._signature}); received {signature}. Use one exchange per "
+                    "list of variables."
+                )
+            return
+        if self._state.built:  # restored: the buffers exist, only the plan is per process
+            self._state.set_pipeline(self.pipeline, variables)
+        else:
+            self._state.build(variables)
+        self._signature = signature
+
+    def updates(
+        self, grads: Sequence[tf.Tensor | None], variables: Sequence
+    ) -> list[tf.Tensor | None]:
+        """The averaged decompressed payloads, aligned with ``grads``.
+
+        ``None`` gradients stay ``None`` (their variables' state is left alone). Residuals and
+        momenta are written only when the step was finite on every replica.
+        """
+        grads, variables = list(grads), list(variables)
+        if self._signature is None and _in_replica_of_many():
+            raise ValueError(
+                "Build the GradientExchange before the first step under a strategy: call "
+                "`exchange.build(model.trainable_variables)` inside `strategy.scope()`."
+            )
+        self.build(variables)
+        return self._state.run(grads, self._state.collective(grads)).updates
+
+
+def _in_replica_of_many() -> bool:
+    """Whether this runs in one replica of a strategy with several (no variables made here)."""
+    context = tf.distribute.get_replica_context()
+    return tf.distribute.has_strategy() and context is not None and context.num_replicas_in_sync > 1

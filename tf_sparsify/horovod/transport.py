@@ -1,0 +1,117 @@
+"""``HorovodTransport``: how both Horovod front ends reach the other ranks.
+
+The Keras ``DistributedOptimizer`` and the custom-loop ``GradientExchange`` each hold one. It
+owns what must never be checkpointed, because it decides whether a collective runs or counts
+this process's traffic: whether this process has compared its plan with the other ranks' (the
+first-step check, itself an all-gather), and the bytes it handed to Horovod. It is a plain
+object, so no ``tf.train.Checkpoint`` or Keras save sees it: after any restore every rank runs
+the check again, together.
+
+With ``ranks_per_node`` it is the hierarchical exchange (:mod:`tf_sparsify.horovod.hierarchy`):
+the state core sees this rank's shards of the variables, and each step's
+:class:`~tf_sparsify.horovod.hierarchy.HierarchicalCollective` sums inside the node, carries the
+compressed shards across nodes and gathers the full updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from tf_sparsify.collectives import Collective
+from tf_sparsify.compressors.base import check_positive_int
+from tf_sparsify.horovod import hierarchy
+from tf_sparsify.horovod.check import check_once, plan_fields
+from tf_sparsify.horovod.collective import HorovodCollective, reject_xla
+from tf_sparsify.pipeline import GradientPipeline, Unit
+from tf_sparsify.transports import Transport
+
+
+class HorovodTransport(Transport):
+    """Horovod's collectives, after the ranks' first-step plan check; the check flag and byte
+    counters are made on first use (outside any ``tf.function``).
+
+    Args:
+        ranks_per_node: ``None``: the flat exchange among all ranks. An integer: the
+            hierarchical exchange with nodes of that many ranks (needs
+            ``tf_sparsify.horovod.init(ranks_per_node=...)`` at start-up); its steps return the
+            averaged dense update only.
+    """
+
+    runs_under_xla = False
+
+    def __init__(self, ranks_per_node: int | None = None):
+        self.ranks_per_node = (
+            None if ranks_per_node is None else check_positive_int("ranks_per_node", ranks_per_node)
+        )
+        self.mean_only = ranks_per_node is not None
+        self.checked: tf.Variable | None = None
+        self.horovod_bytes: tf.Variable | None = None
+        self.within_bytes: tf.Variable | None = None
+        self._topology: hierarchy.Topology | None = None
+        self._shards: list[hierarchy.Shard] = []
+        self._shapes: list[tf.TensorShape] = []
+
+    def check(self, pipeline: GradientPipeline) -> None:
+        if self.ranks_per_node is not None:
+            hierarchy.check_pipeline(pipeline)
+
+    def build(self) -> None:
+        if self.checked is not None:
+            return
+        with tf.init_scope():
+            self.checked = tf.Variable(False, trainable=False, name="plan_checked")
+            self.horovod_bytes = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="horovod_bytes"
+            )
+            self.within_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="within_bytes")
+
+    def layout(self, variables: Sequence) -> list:
+        """The variables, or with ``ranks_per_node`` this rank's shard of each."""
+        if self.ranks_per_node is None:
+            return list(variables)
+        self._topology = hierarchy.topology(self.ranks_per_node)
+        self._shapes = [tf.TensorShape(v.shape) for v in variables]
+        self._shards = [hierarchy.shard_of(v, self.ranks_per_node) for v in variables]
+        return list(self._shards)
+
+    def collective(
+        self,
+        pipeline: GradientPipeline,
+        units: Sequence[Unit],
+        present: Sequence[bool] | None = None,
+    ) -> Collective:
+        """The collective of one step: the ranks' plans (and which variables have gradients)
+        are compared first on this process's first step (and after :meth:`replan`)."""
+        reject_xla()  # first: the plan check already builds Horovod ops
+        self.build()
+        fields = plan_fields(pipeline, units, self.ranks_per_node, present)
+        gate = check_once(self.checked, fields)
+        if self.ranks_per_node is None:
+            return HorovodCollective(gate, self.horovod_bytes)
+        return hierarchy.HierarchicalCollective(
+            self._topology,
+            self._shards,
+            self._shapes,
+            hierarchy.buckets(units),
+            gate,
+            self.horovod_bytes,
+            self.within_bytes,
+        )
+
+    def replan(self) -> None:
+        """Compare the plans again before the next exchange."""
+        if self.checked is not None:
+            self.checked.assign(False)
+
+    @property
+    def bytes_across_nodes(self) -> tf.Variable | None:
+        """With ``ranks_per_node``: the payload bytes this process sent across nodes."""
+        return None if self.ranks_per_node is None else self.horovod_bytes
+
+    @property
+    def bytes_within_nodes(self) -> tf.Variable | None:
+        """With ``ranks_per_node``: the dense bytes this process handed to the reduce-scatter
+        and all-gather inside its node."""
+        return None if self.ranks_per_node is None else self.within_bytes

@@ -1,0 +1,71 @@
+"""How a front end's exchange reaches the other replicas: a ``Transport``, made once per front end.
+
+A :class:`~tf_sparsify.collectives.Collective` moves one step's tensors. A transport is what a
+front end holds for its whole life and passes to its :class:`~tf_sparsify.state.ExchangeState`:
+
+- it hands each step its collective (:meth:`Transport.collective`);
+- it may keep per-process state that must never be checkpointed, because it decides whether a
+  collective runs (Horovod's plan check, its byte counters);
+- it may show the state core another layout of the variables (:meth:`Transport.layout`: the
+  hierarchical exchange's shards), whose collective then turns the step's gradients into that
+  layout and the updates back (:meth:`Collective.enter` / :meth:`Collective.leave`).
+
+Every front end takes one: ``SparsifiedOptimizer(..., transport=...)``,
+``GradientExchange(..., transport=...)``; Horovod's front ends are these with a
+:class:`~tf_sparsify.horovod.HorovodTransport`. A new transport is one file: a ``Collective``
+and the ``Transport`` that makes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tf_sparsify.collectives import Collective, current_collective
+from tf_sparsify.compressors.base import check_positive_int
+from tf_sparsify.pipeline import GradientPipeline, Unit
+
+
+class Transport:
+    """The default: tf.distribute's replica context when one runs, else a single replica."""
+
+    #: whether XLA can compile a step whose collectives this transport makes
+    runs_under_xla: bool = True
+    #: whether a step can return only the averaged dense update (no per-replica contributions,
+    #: no in-place sparse updates)
+    mean_only: bool = False
+    #: ``P`` workers simulated on one replica, or ``None`` (the replicas are real)
+    simulated_workers: int | None = None
+
+    def check(self, pipeline: GradientPipeline) -> None:
+        """Raise a ValueError for an option this transport cannot honour."""
+
+    def build(self) -> None:
+        """Make the per-process state (called when the exchange state is built)."""
+
+    def layout(self, variables: Sequence) -> list:
+        """What the state core plans messages and buffers for (each with ``name``, ``shape``,
+        ``dtype``): the variables themselves by default."""
+        return list(variables)
+
+    def collective(
+        self,
+        pipeline: GradientPipeline,
+        units: Sequence[Unit],
+        present: Sequence[bool] | None = None,
+    ) -> Collective:
+        """The collective of one step that runs ``pipeline`` on ``units``; ``present`` says
+        which variables have a gradient in this step (``None``: all)."""
+        del pipeline, units, present
+        return current_collective()
+
+    def replan(self) -> None:
+        """The plan changed (a new compressor): called before the next step."""
+
+
+class SimulatedWorkersTransport(Transport):
+    """``count`` workers simulated on one replica: the state keeps every worker's buffers along
+    a leading axis, runs the pipeline once per worker and stacks their contributions (see
+    :class:`~tf_sparsify.distribute.ServerOptimizer` with ``workers``)."""
+
+    def __init__(self, count: int):
+        self.simulated_workers = check_positive_int("workers", count)
