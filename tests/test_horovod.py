@@ -201,6 +201,24 @@ def test_ranks_configured_differently_fail_at_first_step(mismatch, case):
         assert f"rank {rank} of 2" in record["message"]
 
 
+@pytest.mark.parametrize("case", ["none_gradient_topk", "none_gradient_sparse_allreduce"])
+def test_ranks_with_different_none_gradients_fail_at_first_step(mismatch, case):
+    for record in _passed(mismatch, case).values():
+        assert "differ in their variables without a gradient" in record["message"]
+
+
+def test_restore_on_rank0_then_broadcast_does_not_hang(mismatch):
+    """Rank 0 restores a checkpoint written after training, then broadcasts: the plan check
+    runs on every rank (it is never checkpointed) and the ranks stay in step."""
+    records = _passed(mismatch, "restore_then_broadcast")
+    assert records[0]["steps"] == records[1]["steps"] >= 2
+
+
+def test_mismatch_after_restore_is_named(mismatch):
+    for record in _passed(mismatch, "restore_then_mismatch").values():
+        assert "differ in their compressor" in record["message"]
+
+
 def test_matching_ranks_still_train_after_mismatches(mismatch):
     for record in _passed(mismatch, "matching_ranks_still_train").values():
         assert record["exchange_steps"] == 2

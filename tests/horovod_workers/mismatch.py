@@ -7,6 +7,8 @@ Horovod is still in step after the failures. Also: the local ValueErrors of the 
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import keras
@@ -125,6 +127,77 @@ def main() -> None:
             ),
         ),
     )
+
+    def none_gradient(compressor) -> dict:
+        """Rank 1 has no gradient for the last bias: named error, not a hang."""
+        model = make_model()
+        exchange = th.GradientExchange(compressor)
+        variables = model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = LOSS(Y, model(X))
+        grads = tape.gradient(loss, variables)
+        if RANK == 1:
+            grads[-1] = None
+        return expect_mismatch(
+            "variables without a gradient", lambda: exchange.updates(grads, variables)
+        )
+
+    checks.run("none_gradient_topk", lambda: none_gradient(tfs.TopK(k=2)))
+    checks.run("none_gradient_sparse_allreduce", lambda: none_gradient(tfs.SparseAllReduce(k=2)))
+
+    def restored_on_rank0(k: int) -> tuple[keras.Model, th.DistributedOptimizer]:
+        """Train, checkpoint on rank 0 (Horovod's idiom), then a new model and optimizer of
+        which rank 0 alone restores the checkpoint."""
+        folder = hvd.broadcast_object(tempfile.mkdtemp() if RANK == 0 else None)
+        model = fit(make_model(), tfs.TopK(k=4))
+        if RANK == 0:
+            tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+                os.path.join(folder, "ckpt")
+            )
+        hvd.allreduce(tf.constant(0.0), name="checkpoint_written")
+        model = make_model()
+        optimizer = th.DistributedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=k))
+        optimizer.build(model.trainable_variables)
+        if RANK == 0:
+            status = tf.train.Checkpoint(model=model, optimizer=optimizer).read(
+                os.path.join(folder, "ckpt")
+            )
+            status.assert_existing_objects_matched()
+        model.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+        return model, optimizer
+
+    def restore_then_broadcast() -> dict:
+        """Rank 0 restores, BroadcastGlobalVariablesCallback(0), fit: every rank runs the
+        plan check (nothing that decides it is checkpointed), so no hang."""
+        model, optimizer = restored_on_rank0(4)
+        start = time.perf_counter()
+        model.fit(
+            X,
+            Y,
+            batch_size=16,
+            epochs=1,
+            verbose=0,
+            callbacks=[th.BroadcastGlobalVariablesCallback(0)],
+        )
+        seconds = time.perf_counter() - start
+        if seconds > MAX_SECONDS:
+            raise AssertionError(f"fit after the restore took {seconds:.1f} s")
+        weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+        gathered = hvd.allgather_object(weights)
+        if not np.array_equal(gathered[0], gathered[1]):
+            raise AssertionError("the ranks' weights differ after the restore and broadcast")
+        return {"fit_seconds": round(seconds, 2), "steps": int(optimizer.iterations.numpy())}
+
+    checks.run("restore_then_broadcast", restore_then_broadcast)
+
+    def restore_then_mismatch() -> dict:
+        """After rank 0's restore, ranks configured differently still get the named error."""
+        model, _ = restored_on_rank0(k)
+        return expect_mismatch(
+            "compressor", lambda: model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+        )
+
+    checks.run("restore_then_mismatch", restore_then_mismatch)
 
     def still_in_step() -> dict:
         model = fit(make_model(), tfs.TopK(k=4))
