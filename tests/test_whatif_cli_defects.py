@@ -1,0 +1,264 @@
+"""``python -m tf_sparsify whatif``: bad or contradictory options end in argparse's error (exit
+code 2, a message on stderr naming the option and the value as given), never a traceback, a
+message in other units or under another name, or an option silently ignored."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tf_sparsify import whatif as w
+from tf_sparsify import whatif_cli as cli
+
+BASE = ["--compute-ms", "100", "--params", "25M"]
+GBIT = 1e9 / 8
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """stderr of a run that must end in argparse's error."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert "error: " in captured.err
+    return captured.err
+
+
+def step_ms(argv: list[str], capsys) -> str:
+    """The step ms of a single-method table."""
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("dense ")]
+    return row.split()[3]
+
+
+# 1. --burst only applies to a shared medium
+def test_burst_without_shared_medium_is_an_error(capsys):
+    argv = [*BASE, "--workers", "8", "--methods", "dense"]
+    plain = step_ms(argv, capsys)
+    err = cli_error([*argv, "--burst", "100MB"], capsys)
+    assert "--burst" in err and "--shared-medium" in err and "104,857,600 bytes" in err
+    # with --shared-medium the burst counts: it shortens the shared-medium step
+    shared = step_ms([*argv, "--shared-medium"], capsys)
+    burst = step_ms([*argv, "--shared-medium", "--burst", "100MB"], capsys)
+    assert float(burst) < float(shared) and float(plain) < float(shared)
+    assert step_ms([*argv, "--burst", "0"], capsys) == plain  # no burst: nothing asked
+
+
+def test_link_burst_needs_a_shared_medium():
+    with pytest.raises(ValueError, match=r"burst_bytes.*shared"):
+        w.Link(GBIT, burst_bytes=1)
+    unshared = w.Link(GBIT)
+    reduce = w.all_reduce(8e6, 8, "ring")
+    assert w.link_time([reduce], unshared) == pytest.approx(2 * 7 / 8 * 8e6 / GBIT)
+    shared = w.Link(GBIT, shared=True, burst_bytes=1e6)
+    assert w.link_time([reduce], shared) == pytest.approx((8 * 2 * 7 / 8 * 8e6 - 1e6) / GBIT)
+
+
+# 2. an empty --sweep-bandwidths
+@pytest.mark.parametrize(
+    "value, expected",
+    [("", "expected a comma list"), (",", "expected a comma list"), ("1gbit,fast", "'fast'")],
+)
+def test_sweep_bandwidths_bad_list(value, expected, capsys):
+    err = cli_error([*BASE, "--sweep", "--sweep-bandwidths", value], capsys)
+    assert f"--sweep-bandwidths {value!r}" in err and expected in err
+
+
+def test_sweep_bandwidths_repeated(capsys):
+    err = cli_error([*BASE, "--sweep", "--sweep-bandwidths", "1gbit,1000mbit"], capsys)
+    assert "--sweep-bandwidths '1gbit,1000mbit'" in err and "'1000mbit' repeats" in err
+
+
+# 3. an empty --methods
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_methods_empty(value, capsys):
+    err = cli_error([*BASE, "--workers", "8", "--methods", value], capsys)
+    assert "--methods" in err and "expected a comma list of methods" in err and "dense" in err
+    assert "min()" not in err
+
+
+def test_methods_repeated(capsys):
+    err = cli_error([*BASE, "--workers", "8", "--methods", "dense,topk,dense"], capsys)
+    assert "--methods" in err and "'dense' given twice" in err
+
+
+# 4. --workers 0 is reported as --workers
+def test_workers_zero_names_workers(capsys):
+    err = cli_error([*BASE, "--workers", "0"], capsys)
+    assert "argument --workers" in err and "got '0'" in err and "`nodes`" not in err
+
+
+@pytest.mark.parametrize("option", ["--nodes", "--gpus-per-node"])
+def test_node_counts_below_one_name_their_option(option, capsys):
+    other = [] if option == "--nodes" else ["--nodes", "2"]
+    err = cli_error([*BASE, *other, option, "0"], capsys)
+    assert f"argument {option}" in err and "got '0'" in err
+
+
+def test_sweep_gpus_per_node_zero_or_too_many(capsys):
+    err = cli_error([*BASE, "--sweep", "--gpus-per-node", "0"], capsys)  # was ZeroDivisionError
+    assert "argument --gpus-per-node" in err and "got '0'" in err
+    err = cli_error([*BASE, "--sweep", "--gpus-per-node", "2048"], capsys)  # was IndexError
+    assert "--gpus-per-node 2048" in err and "--sweep" in err
+
+
+# 5. --compute-ms is reported in ms
+@pytest.mark.parametrize("value", ["-100", "nan", "inf", "fast"])
+def test_compute_ms_bad_value_in_ms(value, capsys):
+    err = cli_error(["--compute-ms", value, "--params", "25M", "--workers", "8"], capsys)
+    assert "argument --compute-ms" in err and f"got {value!r}" in err and "-0.1" not in err
+
+
+# 6. --plot (and --sweep-bandwidths) without --sweep
+@pytest.mark.parametrize(
+    "option, value", [("--plot", "sweep.png"), ("--sweep-bandwidths", "1gbit")]
+)
+def test_sweep_options_without_sweep(option, value, capsys):
+    err = cli_error([*BASE, "--workers", "8", option, value], capsys)
+    assert f"{option} {value!r}" in err and "--sweep" in err
+
+
+def test_plot_must_be_a_png(capsys, tmp_path):
+    err = cli_error([*BASE, "--sweep", "--plot", str(tmp_path / "sweep.jpg")], capsys)
+    assert "--plot" in err and "sweep.jpg" in err and ".png" in err
+    (tmp_path / "folder.png").mkdir()
+    err = cli_error([*BASE, "--sweep", "--plot", str(tmp_path / "folder.png")], capsys)
+    assert "--plot" in err and "folder" in err
+
+
+# 7. a method's overhead given twice
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--overhead-ms", "topk=3", "--overhead-ms", "topk=5"],
+        ["--overhead-ms", "topk=3,topk=5"],
+        ["--overhead-ms", "qsgd=1,topk=3", "--overhead-ms", "topk=5"],
+    ],
+)
+def test_overhead_ms_repeated_key(argv, capsys):
+    err = cli_error([*BASE, "--workers", "8", *argv], capsys)
+    assert "--overhead-ms" in err and "'topk' given twice ('topk=3', then 'topk=5')" in err
+
+
+def test_overhead_ms_repeated_option_adds_up():
+    """Each --overhead-ms adds its methods (the second no longer replaces the first)."""
+    argv = [*BASE, "--workers", "8", "--overhead-ms", "topk=3", "--overhead-ms", "qsgd=5"]
+    assert cli.parse_args(argv).overhead_ms == {"topk": 0.003, "qsgd": 0.005}
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("topk=-5", "'topk=-5': expected METHOD=MS"),  # was "got -0.005" (seconds)
+        ("topk=5ms", "'topk=5ms'"),
+        ("topk", "'topk'"),
+        ("", "'': expected METHOD=MS"),
+        ("nope=5", "'nope' is not among --methods"),  # was "`overheads` names methods"
+    ],
+)
+def test_overhead_ms_bad_items(value, expected, capsys):
+    err = cli_error([*BASE, "--workers", "8", "--overhead-ms", value], capsys)
+    assert "--overhead-ms" in err and expected in err and "-0.005" not in err
+
+
+# -- the other options ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--ratio", "0"], ["argument --ratio", "got '0'"]),
+        (["--ratio", "1.5"], ["argument --ratio", "got '1.5'"]),
+        (["--value-bytes", "0"], ["argument --value-bytes", "got '0'"]),
+        (["--index-bytes", "nan"], ["argument --index-bytes", "got 'nan'"]),
+        (["--levels", "40000"], ["argument --levels", "got '40000'"]),
+        (["--levels", "0"], ["argument --levels", "got '0'"]),
+        (["--rank", "0"], ["argument --rank", "got '0'"]),
+        (["--call-overhead", "5"], ["argument --call-overhead", "'5'"]),
+        (["--intra-latency", "5", "--gpus-per-node", "2"], ["argument --intra-latency", "'5'"]),
+        (["--host-bandwidth", "0gbit"], ["argument --host-bandwidth", "'0gbit'"]),
+        (["--burst", "lots", "--shared-medium"], ["argument --burst", "'lots'"]),
+        (["--bandwidth", "1" + "0" * 400 + "gbit"], ["argument --bandwidth", "too large"]),
+    ],
+)
+def test_bad_values_name_their_option_and_value(argv, expected, capsys):
+    nodes = ["--nodes", "4"] if "--gpus-per-node" in argv else ["--workers", "8"]
+    err = cli_error([*BASE, *nodes, *argv], capsys)
+    for text in expected:
+        assert text in err
+    assert "latency '5'" not in err  # the old message named --latency for every duration
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "0.4", "99999999999G"])
+def test_params_must_be_a_whole_positive_count(value, capsys):
+    err = cli_error(["--compute-ms", "1", "--params", value, "--workers", "8"], capsys)
+    assert "argument --params" in err and f"{value!r}" in err and "num_params" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--methods", "dense", "--ratio", "0.1"], "--ratio 0.1 has no effect"),
+        (["--methods", "dense,topk", "--levels", "8"], "--levels 8 has no effect"),
+        (["--methods", "qsgd", "--rank", "2"], "--rank 2 has no effect"),
+        (["--intra-bandwidth", "100gbit"], "--intra-bandwidth"),
+        (["--intra-latency", "1us"], "--intra-latency"),
+    ],
+)
+def test_options_without_effect(argv, expected, capsys):
+    err = cli_error([*BASE, "--workers", "8", *argv], capsys)
+    assert expected in err
+
+
+def test_workers_with_gpus_per_node(capsys):
+    """--workers is one GPU per node: with --gpus-per-node it would have meant nodes."""
+    err = cli_error([*BASE, "--workers", "16", "--gpus-per-node", "8"], capsys)
+    assert "--workers 16" in err and "--gpus-per-node 8" in err and "--nodes" in err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--workers", "8"], "drop --workers 8"),
+        (["--nodes", "4", "--gpus-per-node", "2"], "drop --nodes 4"),
+        (["--bandwidth", "1gbit"], "drop --bandwidth"),
+    ],
+)
+def test_sweep_ignores_nothing(argv, expected, capsys):
+    err = cli_error([*BASE, "--sweep", *argv], capsys)
+    assert "--sweep" in err and expected in err
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "No such file"),
+        ("{", "Expecting"),
+        ("[]", "at least one"),
+        ("[[3, 0]]", "(3, 0)"),
+        ('{"a": 1}', "JSON list"),
+        (json.dumps([10**40]), "at most 2^63 - 1"),
+    ],
+)
+def test_layers_file_errors_name_layers(content, expected, tmp_path, capsys):
+    path = tmp_path / "layers.json"
+    if content is not None:
+        path.write_text(content)
+    argv = ["--compute-ms", "1", "--layers", str(path), "--workers", "8"]
+    err = cli_error(argv, capsys)
+    assert f"--layers {str(path)!r}" in err and expected in err
+
+
+def test_parse_functions_raise_value_errors():
+    """Outside argparse the parse_* functions still raise ValueError (and name the text)."""
+    for parse, text in (
+        (cli.parse_bandwidth, "10gbps"),
+        (cli.parse_duration, "5"),
+        (cli.parse_size, "lots"),
+        (cli.parse_count, "0"),
+        (cli.parse_overheads, "topk=-1"),
+        (cli.parse_overheads, "topk=1,topk=2"),
+    ):
+        with pytest.raises(ValueError, match="'"):
+            parse(text)
