@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import fractions
 import math
 import numbers
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -369,10 +370,29 @@ def _is_number(value: Any, kind: type) -> bool:
 
 
 def check_ratio(ratio: Any) -> float:
-    """A density in (0, 1], returned as a Python float."""
+    """A density in (0, 1], returned as the Python float of its decimal value (see
+    :func:`decimal_ratio`): ``np.float32(0.1)`` becomes ``0.1``, not ``0.10000000149011612``."""
     if not _is_number(ratio, numbers.Real) or not 0 < ratio <= 1:
         raise ValueError(f"`ratio` must be a number in (0, 1]; received ratio={ratio!r}")
-    return float(ratio)
+    return float(decimal_ratio(ratio))
+
+
+def decimal_ratio(ratio: Any) -> fractions.Fraction:
+    """The value a user means by ``ratio``, exactly: the shortest decimal that reads back as
+    the number in its own type (``repr`` of a Python float; NumPy's shortest digits for a
+    float16 or float32 scalar), an integer as itself.
+
+    ``0.07`` is the double ``0.07000000000000000666...`` and ``np.float32(0.1)`` is
+    ``0.100000001490116...``; taken as they are, ``ceil(ratio * d)`` keeps 8 of 100 and 11 of
+    100 entries. Their decimals, 7/100 and 1/10, keep 7 and 10.
+    """
+    if isinstance(ratio, numbers.Integral):
+        return fractions.Fraction(int(ratio))
+    if isinstance(ratio, np.floating) and ratio.dtype.itemsize < 8:
+        text = np.format_float_positional(ratio, unique=True, trim="-")
+    else:  # Python and NumPy doubles (wider NumPy floats are rounded to a double first)
+        text = repr(float(ratio))
+    return fractions.Fraction(text)
 
 
 def check_positive_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
@@ -414,10 +434,12 @@ def check_contraction(compressor: Compressor, num_elements: int) -> float | None
 
 
 def k_for(num_elements: int, ratio: float | None, k: int | None) -> int:
-    """Entries to keep: ``k`` clamped to the tensor size, else ``max(1, ceil(ratio * d))``."""
+    """Entries to keep: ``k`` clamped to the tensor size, else ``max(1, ceil(ratio * d))``
+    (at most ``d``) computed exactly with the ratio's decimal value (:func:`decimal_ratio`):
+    ``ratio=0.07`` keeps 7 of 100. The one rule for every compressor that takes a ratio."""
     if k is not None:
         return min(k, num_elements)
-    return min(num_elements, max(1, math.ceil(ratio * num_elements)))
+    return min(num_elements, max(1, math.ceil(decimal_ratio(ratio) * num_elements)))
 
 
 def rng_seed(

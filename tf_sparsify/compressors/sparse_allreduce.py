@@ -33,9 +33,10 @@ from tf_sparsify.ops.pure_tf import index_dtype
 class SparseAllReduce(MultiRoundExchange):
     """TopK whose entries are summed by their owners instead of gathered by everyone.
 
-    Give exactly one of ``ratio`` (k = max(1, ceil(ratio * n))) or ``k`` (clamped to the
-    tensor's size). The flat index space ``[0, n)`` is split into ``P`` contiguous slices,
-    ``[floor(q n / P), floor((q + 1) n / P))`` owned by replica ``q``. Per step and replica:
+    Give exactly one of ``ratio`` (k = max(1, ceil(ratio * n)), exact in the ratio's decimal
+    value, as TopK's) or ``k`` (clamped to the tensor's size). The flat index space ``[0, n)``
+    is split into ``P`` contiguous slices, ``[floor(q n / P), floor((q + 1) n / P))`` owned by
+    replica ``q``. Per step and replica:
 
     1. select the top k of ``acc = x + e`` (the fused TopK op: ties to the lowest index, NaN
        and Inf first); ``e = acc - selected``;

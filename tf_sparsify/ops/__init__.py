@@ -416,8 +416,11 @@ def decode_indices(
     """Inverse of :func:`encode_indices` on the last axis: ``code[..., bytes]`` gives the
     ``[..., k]`` indices in ``index_dtype`` (default as :func:`topk_error_feedback`'s: int32,
     int64 from ``2**31`` elements on; a gathered ``[replicas, bytes]`` stack, also with an
-    unknown number of rows, decodes row by row). The kernel fails on a row that is not a code of
-    k indices below ``num_elements``; the pure-TF reference does not check."""
+    unknown number of rows, decodes row by row). A row that is not the code of k strictly
+    ascending indices below ``num_elements`` (the map holds other than k ones, an index is out
+    of range or not above the one before, a padding bit is set) fails with InvalidArgumentError
+    naming the row, in the kernel and in the pure-TF reference (except under XLA, where no op
+    can fail)."""
     code = tf.convert_to_tensor(code)
     n, k_int = _static_int(num_elements), _static_int(k)
     if n is None or k_int is None or not 0 <= k_int <= n:

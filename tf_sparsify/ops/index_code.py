@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from tf_sparsify.ops import xla
+
 #: widest low part of an index (in bits): fields of at most 32 bits keep the arithmetic in int64
 MAX_LOW_BITS = 32
 
@@ -59,26 +61,57 @@ def reference_encode(indices: tf.Tensor, num_elements: int) -> tf.Tensor:
 
 def reference_decode(code: tf.Tensor, num_elements: int, k: int, dtype: tf.DType) -> tf.Tensor:
     """Pure-TF ``IndexCodeDecode``: ``code[..., bytes]`` gives the ``[..., k]`` indices in
-    ``dtype`` (static shapes, no host synchronization); the code is not checked."""
+    ``dtype`` (static shapes, no host synchronization but the check's flag). A row that is not
+    the code of ``k`` strictly ascending indices below ``num_elements`` (see :func:`row_is_valid`)
+    fails with InvalidArgumentError naming the first such row; under XLA, where no op can
+    fail, nothing is checked."""
     rows = tf.reshape(code, [-1, code.shape[-1]])  # the leading dimensions may be unknown
     low = low_bits_for(num_elements, k)
     high = map_bits(num_elements, k, low)
     j = tf.range(k, dtype=tf.int64)
-    position = _ones_positions(rows, high, k)
+    position, ones = _ones_positions(rows, high, k)
     lows = _read_fields(rows, high + j * low, low)
     indices = tf.bitwise.bitwise_or(tf.bitwise.left_shift(position - j, low), lows)
+    if k and not xla.in_xla_context():
+        valid = row_is_valid(rows, indices, ones, num_elements, k)
+        message = tf.strings.format(  # names the first invalid row
+            f"IndexCodeDecode: code row {{}} is not a valid index code of k = {k} strictly "
+            f"ascending indices in [0, {num_elements}) (map ones, order, range or padding bits)",
+            tf.argmin(tf.concat([tf.cast(valid, tf.int32), [0]], 0)),  # [0]: rows may be none
+        )
+        check = tf.debugging.Assert(tf.reduce_all(valid), [message])
+        with tf.control_dependencies([check]):
+            indices = tf.identity(indices)
     out = tf.reshape(tf.cast(indices, dtype), tf.concat([tf.shape(code)[:-1], [k]], 0))
     out.set_shape(code.shape[:-1].concatenate([k]))
     return out
 
 
-def _ones_positions(code: tf.Tensor, num_bits: int, k: int) -> tf.Tensor:
-    """Positions of the ``k`` ones among the first ``num_bits`` bits of each row of
-    ``code[rows, bytes]``: int64 ``[rows, k]`` (static shapes, no host synchronization).
+def row_is_valid(
+    code: tf.Tensor, indices: tf.Tensor, ones: tf.Tensor, num_elements: int, k: int
+) -> tf.Tensor:
+    """Whether each row of ``code[rows, bytes]`` is the code of ``k >= 1`` strictly ascending
+    indices below ``num_elements``, given its decoded ``indices[rows, k]`` and the number of
+    ``ones`` in its map: then encoding the indices gives the row back. bool ``[rows]``."""
+    valid = tf.equal(ones, k) & tf.reduce_all(indices < num_elements, axis=1)
+    if k > 1:
+        valid &= tf.reduce_all(indices[:, 1:] > indices[:, :-1], axis=1)
+    low = low_bits_for(num_elements, k)
+    used = map_bits(num_elements, k, low) + k * low
+    if used % 8:  # the bits after the last low part, in the last byte, are 0
+        valid &= tf.equal(tf.bitwise.right_shift(code[:, -1], used % 8), 0)
+    return valid
+
+
+def _ones_positions(code: tf.Tensor, num_bits: int, k: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """Positions of the first ``k`` ones among the first ``num_bits`` bits of each row of
+    ``code[rows, bytes]`` (int64 ``[rows, k]``; 0 where a row has fewer) and the number of
+    ones there (int32 ``[rows]``): static shapes, no host synchronization.
 
     Byte by byte: a byte's ones have ranks from the count of ones in the bytes before it (a
     cumulative sum over bytes, not bits) and bit positions from a 256-entry table; each of its
-    8 slots that holds a one lands at its rank (the others in a dropped segment).
+    8 slots that holds a one of rank below ``k`` lands at its rank (the others in a dropped
+    segment).
     """
     num_bytes = -(-num_bits // 8)
     mask = [255] * num_bytes
@@ -92,9 +125,10 @@ def _ones_positions(code: tf.Tensor, num_bits: int, k: int) -> tf.Tensor:
     positions += tf.range(0, 8 * num_bytes, 8, dtype=wide)[:, None]
     rows = tf.shape(code, out_type=tf.int64)[0]
     slots = tf.range(rows)[:, None, None] * k + tf.cast(ranks, tf.int64)
-    slots = tf.where(tf.range(8) < counts[..., None], slots, rows * k)  # empty slots: dropped
+    kept = (tf.range(8) < counts[..., None]) & (ranks < k)  # a corrupt row's extra ones: dropped
+    slots = tf.where(kept, slots, rows * k)  # empty slots: dropped
     found = tf.math.unsorted_segment_sum(positions, slots, rows * k + 1)[:-1]
-    return tf.cast(tf.reshape(found, [rows, k]), tf.int64)
+    return tf.cast(tf.reshape(found, [rows, k]), tf.int64), tf.reduce_sum(counts, axis=1)
 
 
 #: ones in each byte value, and the bit positions of its ones in increasing order (0-padded);

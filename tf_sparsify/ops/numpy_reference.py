@@ -230,3 +230,79 @@ def scatter_sum(values: np.ndarray, indices: np.ndarray, n: int, kind: str) -> n
         pick = order[rank == r]
         out[indices[pick]] = add(out[indices[pick]], values.ravel()[pick], kind)
     return out
+
+
+def index_code_bits(n: int, k: int, low_bits: int) -> tuple[int, int]:
+    """``(map bits, code bytes)`` of the Elias-Fano code of ``k`` of ``n`` indices with
+    ``low_bits``-bit low parts (layout: :mod:`tf_sparsify.ops.index_code`)."""
+    high = ((n - 1) >> low_bits) + k if k else 0
+    return high, -(-(high + k * low_bits) // 8)
+
+
+def index_code_encode(indices: np.ndarray, n: int, low_bits: int) -> np.ndarray:
+    """``IndexCodeEncode``: the uint8 code of strictly ascending ``indices`` in ``[0, n)``;
+    ValueError naming the first index that is out of range or not above the one before."""
+    x = np.asarray(indices, np.int64).ravel()
+    k = x.size
+    bad = np.flatnonzero((x < 0) | (x >= n))
+    if bad.size:
+        raise ValueError(f"indices[{bad[0]}] = {x[bad[0]]} is out of range [0, {n})")
+    down = np.flatnonzero(np.diff(x) <= 0)
+    if down.size:
+        j = down[0]
+        raise ValueError(
+            f"indices must be strictly ascending, got indices[{j}] = {x[j]} and "
+            f"indices[{j + 1}] = {x[j + 1]}"
+        )
+    high, size = index_code_bits(n, k, low_bits)
+    bits = np.zeros(8 * size, np.uint8)
+    bits[(x >> low_bits) + np.arange(k)] = 1
+    if low_bits:
+        low = (x[:, None] >> np.arange(low_bits)) & 1
+        bits[high : high + k * low_bits] = low.ravel()
+    return np.packbits(bits, bitorder="little")
+
+
+def index_code_decode(code: np.ndarray, n: int, k: int, low_bits: int) -> np.ndarray:
+    """``IndexCodeDecode``: ``code[..., bytes]`` (uint8) gives int64 ``[..., k]`` indices.
+
+    Only the code of ``k`` strictly ascending indices below ``n`` decodes (the rows that
+    :func:`index_code_encode` gives): a row whose map does not hold exactly ``k`` ones, that
+    decodes an index ``>= n`` or indices that do not ascend, or that has a padding bit set
+    raises ValueError naming the row.
+    """
+    code = np.asarray(code)
+    high, size = index_code_bits(n, k, low_bits)
+    if code.dtype != np.uint8 or code.ndim == 0 or code.shape[-1] != size:
+        raise ValueError(
+            f"code must be uint8 with {size} bytes on its last axis (k = {k} of {n} indices), "
+            f"got dtype {code.dtype}, shape {code.shape}"
+        )
+    if size == 0:  # k = 0: nothing to decode
+        return np.zeros(code.shape[:-1] + (k,), np.int64)
+    rows = code.reshape(-1, size)
+    out = np.zeros((rows.shape[0], k), np.int64)
+    weights = np.int64(1) << np.arange(low_bits, dtype=np.int64)
+    for r, row in enumerate(rows):
+        bits = np.unpackbits(row, bitorder="little").astype(np.int64)
+        ones = np.flatnonzero(bits[:high])
+        if ones.size != k:
+            raise ValueError(f"code row {r} holds {ones.size} map ones, expected k = {k}")
+        lows = bits[high : high + k * low_bits].reshape(k, low_bits) @ weights
+        x = ((ones - np.arange(k)) << low_bits) | lows
+        bad = np.flatnonzero(x >= n)
+        if bad.size:
+            raise ValueError(
+                f"code row {r} decodes index {bad[0]} to {x[bad[0]]}, out of range [0, {n})"
+            )
+        down = np.flatnonzero(np.diff(x) <= 0)
+        if down.size:
+            j = down[0]
+            raise ValueError(
+                f"code row {r} decodes index {j} to {x[j]} and index {j + 1} to {x[j + 1]}, "
+                "not strictly ascending"
+            )
+        if bits[high + k * low_bits :].any():
+            raise ValueError(f"code row {r} has padding bits set after bit {high + k * low_bits}")
+        out[r] = x
+    return out.reshape(code.shape[:-1] + (k,))

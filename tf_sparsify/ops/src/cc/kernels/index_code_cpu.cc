@@ -8,8 +8,10 @@
 // writes the low parts with a 64-bit bit writer, decode finds the map's ones word by word
 // (count trailing zeros) and reads the low parts with a 64-bit bit reader. Rows of a gathered
 // [..., bytes] code decode in parallel on TF's CPU pool. Bad input (unsorted, repeated or
-// out-of-range indices; a code whose map does not hold k ones or decodes past n) fails with
-// InvalidArgument naming the argument, the row and the position.
+// out-of-range indices; a code row that is not the code of k strictly ascending indices below
+// n: its map does not hold exactly k ones, it decodes past n or to indices that do not
+// ascend, or a padding bit is set) fails with InvalidArgument naming the argument, the row
+// and the position.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -169,18 +171,27 @@ class IndexCodeEncodeOp : public OpKernel {
 };
 
 // Positions of the map's ones and the low parts of one row, as indices; an error names the row.
+// A row is accepted only when it is the code of k strictly ascending indices below n, so that
+// encoding them gives the row back: the map holds exactly k ones, each decoded index is above
+// the previous one and below n, and the padding bits after the last low part are 0.
 template <typename Index>
 absl::Status DecodeRow(const uint8_t* code, int64_t row, int64_t k, int64_t n,
                        const Layout& layout, Index* out) {
   const int low = static_cast<int>(layout.low_bits);
   BitReader lows(code, layout.bytes, layout.map_bits);
   int64_t j = 0;
-  for (int64_t base = 0; base < layout.map_bits && j < k; base += 64) {
+  int64_t previous = -1;
+  for (int64_t base = 0; base < layout.map_bits; base += 64) {
     const int64_t len = std::min<int64_t>(8, (layout.map_bits - base + 7) / 8);
     uint64_t word = 0;
     std::memcpy(&word, code + (base >> 3), len);
     if (layout.map_bits - base < 64) word &= (uint64_t{1} << (layout.map_bits - base)) - 1;
-    for (; word && j < k; word &= word - 1, ++j) {
+    for (; word; word &= word - 1, ++j) {
+      if (j == k) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "IndexCodeDecode: code row ", row, " is not a valid index code: its map holds more ",
+            "than k = ", k, " ones (a stray one at bit ", base + __builtin_ctzll(word), ")"));
+      }
       const int64_t high = base + __builtin_ctzll(word) - j;
       const int64_t x = (high << low) | static_cast<int64_t>(low ? lows.Get(low) : 0);
       if (x >= n) {
@@ -188,12 +199,24 @@ absl::Status DecodeRow(const uint8_t* code, int64_t row, int64_t k, int64_t n,
                                                        " decodes index ", j, " to ", x,
                                                        ", out of range [0, ", n, ")"));
       }
+      if (x <= previous) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "IndexCodeDecode: code row ", row, " is not a valid index code: it decodes index ",
+            j - 1, " to ", previous, " and index ", j, " to ", x, ", not strictly ascending"));
+      }
       out[j] = static_cast<Index>(x);
+      previous = x;
     }
   }
   if (j < k) {
     return absl::InvalidArgumentError(absl::StrCat("IndexCodeDecode: code row ", row,
                                                    " holds ", j, " indices, expected k = ", k));
+  }
+  const int64_t used = layout.map_bits + k * layout.low_bits;  // the rest of the last byte: 0
+  if ((used & 7) && (code[layout.bytes - 1] >> (used & 7))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "IndexCodeDecode: code row ", row, " is not a valid index code: padding bits after bit ",
+        used, " are not 0"));
   }
   return absl::OkStatus();
 }

@@ -176,8 +176,9 @@ REGISTER_OP("IndexCodeDecode")
     })
     .Doc(R"doc(
 Inverse of IndexCodeEncode on the last axis: code [..., bytes] gives the [..., k] indices of
-each row (rows decode in parallel). A row whose map holds fewer than k ones, or that decodes
-an index >= num_elements, fails with InvalidArgument naming the row.
+each row (rows decode in parallel). A row that is not the code of k strictly ascending indices
+below num_elements (its map holds other than k ones, it decodes an index >= num_elements or
+indices that do not ascend, or a padding bit is set) fails with InvalidArgument naming the row.
 )doc");
 
 REGISTER_OP("SparseSgdApply")
