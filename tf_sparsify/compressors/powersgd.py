@@ -19,6 +19,7 @@ from tf_sparsify.compressors.base import (
     rng_seed,
 )
 from tf_sparsify.compressors.protocol import SUM, Outcome, Protocol, Replicas, Transfer, scaled
+from tf_sparsify.memory import mark_non_finite
 from tf_sparsify.ops import xla
 
 
@@ -50,7 +51,13 @@ class PowerSGD(MultiRoundExchange):
 
     Tensors of rank < 2, and matrices where ``rank * (n + m) >= n * m`` (low rank would not
     pay), are sent dense by one all-reduce of ``x + e`` and keep a zero residual. 16-bit
-    gradients are factored and sent in float32 (the sums and Gram-Schmidt need its range).
+    gradients are factored and sent in float32 (the sums and Gram-Schmidt need its range); the
+    residual and the update are computed in float32 and rounded once to the tensor's dtype.
+    A step where either does not fit that dtype (a finite float16 accumulator near 65504 whose
+    approximation, or the residual, lies beyond it) cannot be sent: it is a non-finite step on
+    every replica, as for a non-finite gradient (:mod:`tf_sparsify.memory`): the residuals and
+    ``Q`` are kept as they were, and the update is non-finite, so a ``LossScaleOptimizer``
+    inside skips it. Nothing is rounded to Inf into a residual.
 
     Error feedback is on by default (PowerSGD is biased) and allowed without a contraction:
     the residual is a projection of the accumulator, never longer than it, although no
@@ -133,13 +140,22 @@ class PowerSGD(MultiRoundExchange):
         (p,) = yield Transfer(SUM, (tf.matmul(matrix, self._warm_start(q, ctx)),))
         p_hat = orthonormal_columns(p)
         mine = tf.matmul(matrix, p_hat, transpose_a=True)
-        (total,) = yield Transfer(SUM, (mine,))
-        update = _as_tensor(tf.matmul(p_hat, total, transpose_b=True), acc)
+        # 16-bit tensors: residual and update are computed in float32 and rounded once, so
+        # each is Inf only where its own value overflows the tensor's dtype; such a step is bad.
+        narrowing = q.dtype != acc.dtype
         remainder = None
         if feedback:
-            remainder = acc - _as_tensor(tf.matmul(p_hat, mine, transpose_b=True), acc)
+            remainder = _as_tensor(matrix - tf.matmul(p_hat, mine, transpose_b=True), acc)
+            if narrowing:  # a residual that does not fit turns the summed Q_r non-finite
+                mine = mark_non_finite(mine, tf.reduce_all(tf.math.is_finite(remainder)))
+        (total,) = yield Transfer(SUM, (mine,))
+        update = _as_tensor(
+            scaled(tf.matmul(p_hat, total, transpose_b=True), replicas.divisor), acc
+        )
         new_q = total / tf.cast(replicas.count, total.dtype)
-        return Outcome(scaled(update, replicas.divisor), remainder, (new_q,), shared=(p, total))
+        # the update is the same on every replica (made from the sums): shared when rounded
+        shared = (p, total, update) if narrowing else (p, total)
+        return Outcome(update, remainder, (new_q,), shared=shared)
 
     def _warm_start(self, q: tf.Tensor, ctx: Context) -> tf.Tensor:
         """``q`` with its all-zero columns drawn standard normal from ``(seed, step, tensor)``."""
