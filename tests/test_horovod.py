@@ -103,6 +103,11 @@ def mismatch() -> dict[str, dict[int, dict]]:
 
 
 @pytest.fixture(scope="module")
+def restart() -> dict[str, dict[int, dict]]:
+    return _launch(os.path.join(WORKERS, "restart.py"))
+
+
+@pytest.fixture(scope="module")
 def hierarchy() -> dict[str, dict[int, dict]]:
     return _launch(os.path.join(WORKERS, "hierarchy.py"), ranks=4)
 
@@ -212,6 +217,41 @@ def test_restore_on_rank0_then_broadcast_does_not_hang(mismatch):
     runs on every rank (it is never checkpointed) and the ranks stay in step."""
     records = _passed(mismatch, "restore_then_broadcast")
     assert records[0]["steps"] == records[1]["steps"] >= 2
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "keras_gathered_every_rank",
+        "keras_gathered_rank0",
+        "exchange_gathered_every_rank",
+        "exchange_gathered_rank0",
+    ],
+)
+def test_one_checkpoint_by_rank0_restores_every_rank_exactly(restart, case):
+    """After gather_error_memory, rank 0's checkpoint holds both ranks' residuals: restored on
+    every rank, or on rank 0 and handed out by the broadcast, continuing equals not stopping."""
+    for record in _passed(restart, case).values():
+        assert record["max_difference"] == 0.0
+
+
+def test_a_rank_missing_from_the_checkpoint_is_warned(restart):
+    """Without the gather, rank 1 is not fed rank 0's residual: it starts from zero, warned."""
+    records = _passed(restart, "keras_rank0_rows_only")
+    assert records[1]["warned"] and not records[0]["warned"]
+
+
+def test_set_compressor_on_one_rank_is_named_not_a_hang(mismatch):
+    """The plan fingerprint rides in every step's first gather: a rank that changed its
+    compressor alone fails by name (same payload shapes) ..."""
+    for rank, record in _passed(mismatch, "set_compressor_on_one_rank").items():
+        assert "differ in their compressor" in record["message"]
+        assert f"rank {rank} of 2" in record["message"]
+
+
+def test_set_compressor_k_on_one_rank_fails_fast(mismatch):
+    """... or by Horovod's own shape check (another k), within seconds either way."""
+    _passed(mismatch, "set_compressor_k_on_one_rank")
 
 
 def test_mismatch_after_restore_is_named(mismatch):

@@ -66,11 +66,11 @@ class GradientExchange(StateViews, tf.Module):
     ):
         super().__init__(name=name)
         pipeline = GradientPipeline(Identity() if compressor is None else compressor, **options)
-        #: the state's variables in the order they were made (what checkpoints hold)
-        self._state_variables: list[tf.Variable] = []
         self._state = ExchangeState(pipeline, self._make_variable, transport)
-        self._state.step = self._make_variable("step", (), tf.int64, "shared")
+        self._state.step = self._state.new_variable("step", (), tf.int64, "shared")
         self._state.enable_diagnostics(diagnostics_every)
+        #: what ``tf.train.Checkpoint(exchange=...)`` saves: the whole state as one entry
+        self._checkpointed = self._state.checkpoint
         # The variables' signature, kept out of checkpoints (plain objects are not tracked).
         self._signature: list | None = None
 
@@ -87,9 +87,7 @@ class GradientExchange(StateViews, tf.Module):
             else:
                 sync = {"aggregation": tf.VariableAggregation.ONLY_FIRST_REPLICA}
         with tf.init_scope():
-            variable = tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name, **sync)
-        self._state_variables.append(variable)
-        return variable
+            return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name, **sync)
 
     @property
     def pipeline(self) -> GradientPipeline:
@@ -124,10 +122,8 @@ class GradientExchange(StateViews, tf.Module):
                     "list of variables."
                 )
             return
-        if self._state.built:  # restored: the buffers exist, only the plan is per process
-            self._state.set_pipeline(self.pipeline, variables)
-        else:
-            self._state.build(variables)
+        self._state.build(variables)
+        self._state.checkpoint.build()
         self._signature = signature
 
     def updates(

@@ -12,11 +12,14 @@ replica); the counters advance by what was actually sent. Front ends say only ho
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from tf_sparsify import memory
+from tf_sparsify.checkpointing import ExchangeCheckpoint
 from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
 from tf_sparsify.compressors.base import MultiRoundExchange
 from tf_sparsify.measurements import STAT_NAMES
@@ -35,6 +38,8 @@ class ExchangeState:
             leading axis of ``P`` and :meth:`run` takes gradients stacked as ``[P, *shape]``.
         step: a counter variable to use as the step (the Keras optimizer's own iterations);
             ``None`` makes one named ``"step"`` when built.
+        also_saved: the front end's own variables to save in the state's checkpoint entry,
+            as ``(key, variable, kind, about)`` (a Keras optimizer's, so a restore is atomic).
     """
 
     def __init__(
@@ -43,6 +48,7 @@ class ExchangeState:
         make_variable: memory.VariableFactory,
         transport: Transport | None = None,
         step=None,
+        also_saved: Callable[[], list[tuple[str, Any, str, str]]] | None = None,
     ):
         self.transport = Transport() if transport is None else transport
         self.transport.check(pipeline)
@@ -59,10 +65,45 @@ class ExchangeState:
         self.bytes_sent = self.dense_bytes = None
         self.diagnostics = self.diagnostics_step = None
         self.diagnostics_every = 0
+        #: ``(key, variable, kind)`` of every variable made, in order (what checkpoints hold),
+        #: and what each key belongs to (for messages)
+        self.saved: list[tuple[str, Any, str]] = []
+        self.about: dict[str, str] = {}
+        self._also_saved = also_saved or (lambda: [])
+        #: the checkpoint entry of this state (front ends track it)
+        self.checkpoint = ExchangeCheckpoint(
+            entries=self._checkpoint_entries,
+            about=lambda key: self.about.get(key, ""),
+            config=self._config,
+            rows=self.transport.checkpoint_rows,
+            built=lambda: self.built,
+            step=lambda: self.step,
+        )
 
     @property
     def built(self) -> bool:
         return self.bytes_sent is not None
+
+    def new_variable(
+        self, key: str, shape, dtype, kind: str, name: str | None = None, about: str = ""
+    ):
+        """A zero variable named ``name`` (``key`` by default), saved in checkpoints under
+        ``key``; ``about`` names what it belongs to (a model variable's path) in messages."""
+        variable = self._make(name or key, shape, dtype, kind)
+        self.saved.append((key, variable, kind))
+        self.about[key] = about
+        return variable
+
+    def _checkpoint_entries(self) -> list[tuple[str, Any, str]]:
+        """The front end's variables, then the state's."""
+        front = self._also_saved()
+        for key, _, _, about in front:
+            self.about[key] = about
+        return [(key, v, kind) for key, v, kind, _ in front] + list(self.saved)
+
+    def _config(self) -> dict:
+        """The configuration a checkpoint records (compressor and options, as JSON values)."""
+        return json.loads(json.dumps(self.pipeline.get_config(), sort_keys=True, default=str))
 
     @property
     def gives_sparse_updates(self) -> bool:
@@ -88,28 +129,41 @@ class ExchangeState:
         self.units = self.pipeline.plan(shapes, dtypes)
         lead = () if self.workers is None else (self.workers,)
 
-        def buffers(needs: list[bool], suffix: str) -> list:
+        def buffers(needs: list[bool], slot: str) -> list:
             return [
-                self._make(f"{leaf}_{suffix}", lead + tuple(s), d, "per_replica") if need else None
-                for leaf, s, d, need in zip(leaves, shapes, dtypes, needs, strict=True)
+                self.new_variable(
+                    f"{slot}/{i}", lead + tuple(s), d, "per_replica", f"{leaf}_{slot}", names[i]
+                )
+                if need
+                else None
+                for i, (leaf, s, d, need) in enumerate(
+                    zip(leaves, shapes, dtypes, needs, strict=True)
+                )
             ]
 
         self.residuals = buffers(
             self.pipeline.needs_residual(self.units, len(variables)), "residual"
         )
         self.momenta = buffers(self.pipeline.needs_momentum(self.units, len(variables)), "momentum")
+        self.names = tuple(_unit_name(u, names) for u in self.units)
         self.states = [
             tuple(
-                self._make(f"{leaves[u.indices[0]]}_state{j}", tuple(shape), dtype, "replicated")
+                self.new_variable(
+                    f"compressor_state/{n}/{j}",
+                    tuple(shape),
+                    dtype,
+                    "replicated",
+                    f"{leaves[u.indices[0]]}_state{j}",
+                    name,
+                )
                 for j, (shape, dtype) in enumerate(u.compressor.state_specs(u.shapes[0], u.dtype))
             )
-            for u in self.units
+            for n, (u, name) in enumerate(zip(self.units, self.names, strict=True))
         ]
         if self.step is None:
-            self.step = self._make("step", (), tf.int64, "shared")
-        self.bytes_sent = self._make("bytes_sent", (), tf.int64, "shared")
-        self.dense_bytes = self._make("dense_bytes", (), tf.int64, "shared")
-        self.names = tuple(_unit_name(u, names) for u in self.units)
+            self.step = self.new_variable("step", (), tf.int64, "shared")
+        self.bytes_sent = self.new_variable("bytes_sent", (), tf.int64, "shared")
+        self.dense_bytes = self.new_variable("dense_bytes", (), tf.int64, "shared")
         if self.diagnostics_every:
             self._build_diagnostics()
 
@@ -128,8 +182,10 @@ class ExchangeState:
         if self.diagnostics is None:
             width = len(STAT_NAMES)
             shape = (len(self.units), width)
-            self.diagnostics = self._make("diagnostics", shape, tf.float64, "per_replica_mean")
-            self.diagnostics_step = self._make("diagnostics_step", (), tf.int64, "shared")
+            self.diagnostics = self.new_variable(
+                "diagnostics", shape, tf.float64, "per_replica_mean"
+            )
+            self.diagnostics_step = self.new_variable("diagnostics_step", (), tf.int64, "shared")
 
     def set_pipeline(self, pipeline: GradientPipeline, variables: Sequence | None) -> None:
         """Use ``pipeline`` from now on; when built (``variables`` given), its plan must need
@@ -149,7 +205,6 @@ class ExchangeState:
             names = [getattr(v, "path", None) or v.name for v in variables]
             self.names = tuple(_unit_name(u, names) for u in units)
         self.pipeline = pipeline
-        self.transport.replan()
 
     @property
     def bytes_per_step(self) -> tuple[int, int]:
@@ -263,6 +318,12 @@ class StateViews:
     ends (the Keras optimizers and Horovod's ``GradientExchange``)."""
 
     _state: ExchangeState
+
+    @property
+    def exchange_checkpoint(self) -> ExchangeCheckpoint:
+        """The checkpoint entry of the exchange state (every replica's rows, checked before
+        a restore assigns anything; see :mod:`tf_sparsify.checkpointing`)."""
+        return self._state.checkpoint
 
     @property
     def units(self) -> list[Unit]:

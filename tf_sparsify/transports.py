@@ -58,8 +58,11 @@ class Transport:
         del pipeline, units, present
         return current_collective()
 
-    def replan(self) -> None:
-        """The plan changed (a new compressor): called before the next step."""
+    def checkpoint_rows(self, local: int) -> tuple[int, int]:
+        """``(first, world)``: the index of this process's first row of a per-replica
+        variable that has ``local`` rows here, and the number of rows in the job (what a
+        checkpoint of this process holds and restores): here, this process's replicas."""
+        return 0, local
 
 
 class SimulatedWorkersTransport(Transport):

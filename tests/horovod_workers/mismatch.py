@@ -71,6 +71,21 @@ def expect_mismatch(field: str, run) -> dict:
     raise AssertionError("no error although the ranks differ")
 
 
+def expect_error(run) -> dict:
+    """An error within MAX_SECONDS (Horovod's own, when the payload shapes differ)."""
+    start = time.perf_counter()
+    try:
+        run()
+    except tf.errors.OpError as error:
+        seconds = time.perf_counter() - start
+        if seconds > MAX_SECONDS:
+            raise AssertionError(f"the error took {seconds:.1f} s") from error
+        lines = str(error).splitlines()
+        line = next((s for s in lines if "ismatch" in s), lines[0])
+        return {"message": line.strip()[:600], "error_seconds": round(seconds, 2)}
+    raise AssertionError("no error although the ranks differ")
+
+
 def expect_value_error(words: str, run) -> dict:
     try:
         run()
@@ -198,6 +213,25 @@ def main() -> None:
         )
 
     checks.run("restore_then_mismatch", restore_then_mismatch)
+
+    def one_rank_changes(before, after, expect) -> dict:
+        """Train, then rank 1 alone calls set_compressor (as a callback on one rank would)."""
+        model = fit(make_model(), before)
+        if RANK == 1:
+            model.optimizer.set_compressor(after)
+            model.make_train_function(force=True)
+        return expect(lambda: model.fit(X, Y, batch_size=16, epochs=1, verbose=0))
+
+    checks.run(
+        "set_compressor_on_one_rank",
+        lambda: one_rank_changes(
+            tfs.QSGD(4, seed=0), tfs.QSGD(4, seed=1), lambda run: expect_mismatch("compressor", run)
+        ),
+    )
+    checks.run(
+        "set_compressor_k_on_one_rank",
+        lambda: one_rank_changes(tfs.TopK(k=4), tfs.TopK(k=6), expect_error),
+    )
 
     def still_in_step() -> dict:
         model = fit(make_model(), tfs.TopK(k=4))

@@ -23,6 +23,7 @@ from tf_sparsify.horovod.compression import (
     RandomKCompression,
     TopKCompression,
 )
+from tf_sparsify.horovod.error_memory import gather_error_memory, scatter_error_memory
 from tf_sparsify.horovod.hierarchy import Topology, init
 from tf_sparsify.horovod.optimizer import DistributedOptimizer
 from tf_sparsify.horovod.rank0 import is_rank0, log0, verbose0
@@ -43,8 +44,10 @@ __all__ = [
     "TopKCompression",
     "Topology",
     "broadcast_variables",
+    "gather_error_memory",
     "init",
     "is_rank0",
     "log0",
+    "scatter_error_memory",
     "verbose0",
 ]

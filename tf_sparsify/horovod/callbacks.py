@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.horovod.broadcast import broadcast_variables
+from tf_sparsify.horovod.error_memory import scatter_error_memory
 from tf_sparsify.keras.optimizer import find_sparsified
 
 
@@ -18,7 +19,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     optimizer on the model's trainable variables itself, then broadcasts everything before
     the first step. A model not built by then (subclassed, no input shape) is broadcast after
     the first batch instead. Each rank's residuals and momentum buffers (tf_sparsify error
-    memory) are its own and are not broadcast.
+    memory) are its own and are not broadcast; when the root alone restored a checkpoint
+    holding every rank's (:func:`~tf_sparsify.horovod.gather_error_memory`), each rank gets
+    its own row from it.
     """
 
     def __init__(self, root_rank: int = 0):
@@ -42,6 +45,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if optimizer is not None:
             variables += _shared(optimizer)
         broadcast_variables(variables, self.root_rank)
+        if find_sparsified(optimizer) is not None:
+            scatter_error_memory(optimizer, self.root_rank)
         self.done = True
 
 

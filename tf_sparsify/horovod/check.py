@@ -67,6 +67,11 @@ def plan_fields(
     )
 
 
+def stamp(fields: Sequence[tuple[str, str]]) -> tf.Tensor:
+    """The plan's fingerprint: one int64 per field of :data:`FIELDS`."""
+    return tf.constant([_hash(description) for _, description in fields], tf.int64)
+
+
 def check_once(done: tf.Variable, fields: Sequence[tuple[str, str]]) -> tf.Tensor:
     """Run the check unless ``done`` (a local, never checkpointed bool variable) is set.
 
@@ -74,34 +79,43 @@ def check_once(done: tf.Variable, fields: Sequence[tuple[str, str]]) -> tf.Tenso
     ``[1, len(FIELDS)]`` int64 tensor under a fixed name, the same on every rank whatever its
     configuration, so it cannot deadlock; every rank sees all fingerprints and fails alike.
     """
-    local = tf.constant([_hash(description) for _, description in fields], tf.int64)
-    size, rank = hvd.size(), hvd.rank()
+    local = stamp(fields)
 
     def check() -> tf.Tensor:
         gathered = hvd.allgather(local[None], name="tf_sparsify_plan_check", ignore_name_scope=True)
-        gathered = tf.ensure_shape(gathered, [size, len(fields)])
-        passed = tf.constant(True)
-        for i, (field, description) in enumerate(fields):
-            with tf.control_dependencies([passed]):
-                assertion = tf.debugging.assert_equal(
-                    gathered[:, i],
-                    tf.fill([size], local[i]),
-                    message=(
-                        "tf_sparsify.horovod: the ranks are configured differently, they "
-                        f"differ in their {field}: rank {rank} of {size} has "
-                        f"{_short(description)}. "
-                        "Every rank must build the same model and the same optimizer/exchange "
-                        "(ranks_per_node, compressor, k or ratio, error feedback, scope, sizes, "
-                        "dtypes). "
-                        "Fingerprints of all ranks (x) and of this rank (y):"
-                    ),
-                )
-            with tf.control_dependencies([assertion]):
-                passed = tf.identity(passed)
-        with tf.control_dependencies([passed]):
+        with tf.control_dependencies([assert_same(gathered, local, fields)]):
             return tf.identity(done.assign(True, read_value=True))
 
     return tf.cond(done, lambda: tf.constant(True), check)
+
+
+def assert_same(
+    gathered: tf.Tensor, local: tf.Tensor, fields: Sequence[tuple[str, str]]
+) -> tf.Tensor:
+    """An op that fails on every rank alike, naming the first field that differs, unless
+    every row of ``gathered`` (``[ranks, len(FIELDS)]``, every rank's :func:`stamp`) equals
+    this rank's ``local`` stamp."""
+    size, rank = hvd.size(), hvd.rank()
+    gathered = tf.ensure_shape(gathered, [size, len(fields)])
+    passed = tf.constant(True)
+    for i, (field, description) in enumerate(fields):
+        with tf.control_dependencies([passed]):
+            assertion = tf.debugging.assert_equal(
+                gathered[:, i],
+                tf.fill([size], local[i]),
+                message=(
+                    "tf_sparsify.horovod: the ranks are configured differently, they "
+                    f"differ in their {field}: rank {rank} of {size} has "
+                    f"{_short(description)}. "
+                    "Every rank must build the same model and the same optimizer/exchange "
+                    "(ranks_per_node, compressor, k or ratio, error feedback, scope, sizes, "
+                    "dtypes) and call set_compressor alike. "
+                    "Fingerprints of all ranks (x) and of this rank (y):"
+                ),
+            )
+        with tf.control_dependencies([assertion]):
+            passed = tf.identity(passed)
+    return passed
 
 
 def _hash(description: str) -> int:

@@ -60,6 +60,10 @@ class HorovodCollective(Collective):
             rank's index in it.
         divisor: what the sum of the contributions is divided by (``None``: ``num_replicas``;
             the hierarchical exchange sums node sums over the nodes and divides by all ranks).
+        stamp: ``(fingerprint, check)``: this rank's plan fingerprint (int64) and what checks
+            every rank's (``[ranks, fields] -> op``). The step's first gather carries the
+            fingerprint inside its first dtype group (no extra Horovod op), so ranks whose
+            plans drifted apart later (``set_compressor`` on one rank) fail alike, by name.
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class HorovodCollective(Collective):
         counter: tf.Variable | None = None,
         process_set: hvd.ProcessSet | None = None,
         divisor: float | None = None,
+        stamp: tuple[tf.Tensor, Callable[[tf.Tensor], tf.Operation]] | None = None,
     ):
         reject_xla()
         self._set = hvd.global_process_set if process_set is None else process_set
@@ -76,6 +81,7 @@ class HorovodCollective(Collective):
         self._rank = self._set.rank()
         self._after = after
         self._counter = counter
+        self._stamp = stamp
 
     def replica_id(self) -> tf.Tensor:
         return tf.constant(self._rank, tf.int32)
@@ -90,10 +96,10 @@ class HorovodCollective(Collective):
         return out
 
     def all_gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        tensors = self._gated(tensors)
+        tensors, stamp = self._stamped(self._gated(tensors), rows=False)
         out: list[tf.Tensor | None] = [None] * len(tensors)
         _by_dtype(tensors, range(len(tensors)), self._gather, out)
-        return out
+        return self._checked(out, stamp)
 
     def reduce_scatter_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """Each tensor summed over the ranks, then split along its first axis (of a length
@@ -130,10 +136,10 @@ class HorovodCollective(Collective):
     def all_gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """``hvd.grouped_allgather`` of tensors whose first dimension may differ by rank, one
         group per dtype (bfloat16 as its int16 bits)."""
-        tensors = self._gated(tensors)
+        tensors, stamp = self._stamped(self._gated(tensors), rows=True)
         out: list[tf.Tensor | None] = [None] * len(tensors)
         _by_dtype(tensors, range(len(tensors)), self._gather_rows, out)
-        return out
+        return self._checked(out, stamp)
 
     # -- transfers (one dtype per call) ------------------------------------------------------
     def _reduce(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -177,6 +183,33 @@ class HorovodCollective(Collective):
         if self._counter is not None:
             sizes = [tf.size(t, out_type=tf.int64) * t.dtype.size for t in tensors]
             self._counter.assign_add(tf.add_n(sizes))
+
+    def _stamped(self, tensors: list[tf.Tensor], rows: bool) -> tuple[list, tf.DType | None]:
+        """``tensors`` and, on this step's first gather, the fingerprint as one more tensor of
+        the first tensor's wire dtype (so it joins that dtype's group); that dtype."""
+        if self._stamp is None or not tensors:
+            return tensors, None
+        dtype = _wire_dtype(tensors[0].dtype)
+        if dtype == tf.bool:
+            dtype = tf.uint8
+        raw = tf.bitcast(self._stamp[0], tf.uint8)  # [fields, 8]
+        packed = tf.bitcast(tf.reshape(raw, [-1, dtype.size]), dtype)
+        packed = tf.reshape(packed, [1, -1] if rows else [-1])
+        if self._counter is not None:  # the fingerprint is not payload
+            self._counter.assign_add(-tf.size(packed, out_type=tf.int64) * dtype.size)
+        return [*tensors, packed], dtype
+
+    def _checked(self, out: list, dtype: tf.DType | None) -> list:
+        """The gathered results, after every rank's fingerprint (the last one) was checked."""
+        if dtype is None:
+            return out
+        gathered = tf.reshape(out.pop(), [self.num_replicas, -1])
+        raw = tf.reshape(tf.bitcast(gathered, tf.uint8), [self.num_replicas, -1, 8])
+        stamps = tf.bitcast(raw, tf.int64)
+        check = self._stamp[1](stamps)
+        self._stamp = None
+        with tf.control_dependencies([check]):
+            return [tf.identity(t) for t in out]
 
     def _gated(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         if self._after is None or not tensors:

@@ -25,9 +25,10 @@ class DistributedOptimizer(SparsifiedOptimizer):
     serialization) is the wrapper's; ``compressor=None`` means ``Identity()``, plain Horovod
     averaging.
 
-    Before the first exchange of a process (and again after :meth:`set_compressor`) the ranks
-    compare fingerprints of their plans; ranks configured differently get an
-    ``InvalidArgumentError`` naming what differs (see :mod:`tf_sparsify.horovod.check`).
+    Before the first exchange of a process the ranks compare fingerprints of their plans, and
+    every later step's first gather carries them too; ranks configured differently (also by a
+    :meth:`set_compressor` on one rank only) get an ``InvalidArgumentError`` naming what
+    differs (see :mod:`tf_sparsify.horovod.check`) instead of waiting for each other.
 
     Horovod's ops do not run under XLA: Keras' default ``jit_compile="auto"`` resolves to
     ``False`` for a model compiled with this optimizer, and ``jit_compile=True`` fails at the

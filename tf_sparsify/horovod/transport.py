@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import check_positive_int
 from tf_sparsify.horovod import hierarchy
-from tf_sparsify.horovod.check import check_once, plan_fields
+from tf_sparsify.horovod._hvd import hvd
+from tf_sparsify.horovod.check import assert_same, check_once, plan_fields, stamp
 from tf_sparsify.horovod.collective import HorovodCollective, reject_xla
 from tf_sparsify.pipeline import GradientPipeline, Unit
 from tf_sparsify.transports import Transport
@@ -83,13 +85,20 @@ class HorovodTransport(Transport):
         present: Sequence[bool] | None = None,
     ) -> Collective:
         """The collective of one step: the ranks' plans (and which variables have gradients)
-        are compared first on this process's first step (and after :meth:`replan`)."""
+        are compared on this process's first step before anything travels, and again with
+        every step's first gather (the flat exchange), so ranks whose plans drift apart later
+        (``set_compressor`` on one rank) fail by name."""
         reject_xla()  # first: the plan check already builds Horovod ops
         self.build()
         fields = plan_fields(pipeline, units, self.ranks_per_node, present)
         gate = check_once(self.checked, fields)
         if self.ranks_per_node is None:
-            return HorovodCollective(gate, self.horovod_bytes)
+            local = stamp(fields)
+            return HorovodCollective(
+                gate,
+                self.horovod_bytes,
+                stamp=(local, lambda stamps: assert_same(stamps, local, fields)),
+            )
         return hierarchy.HierarchicalCollective(
             self._topology,
             self._shards,
@@ -100,10 +109,15 @@ class HorovodTransport(Transport):
             self.within_bytes,
         )
 
-    def replan(self) -> None:
-        """Compare the plans again before the next exchange."""
-        if self.checked is not None:
-            self.checked.assign(False)
+    def checkpoint_rows(self, local: int) -> tuple[int, int]:
+        """One row per rank: this rank's, of ``hvd.size()``."""
+        return hvd.rank() * local, hvd.size() * local
+
+    def gather_rows(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every rank's rows of each per-replica variable (a collective: every rank calls
+        it, with the same keys)."""
+        by_rank = hvd.allgather_object(rows, name="tf_sparsify_error_memory")
+        return {k: np.concatenate([r[k] for r in by_rank]) for k in sorted(rows)}
 
     @property
     def bytes_across_nodes(self) -> tf.Variable | None:

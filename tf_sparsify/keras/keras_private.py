@@ -126,18 +126,31 @@ def replica_variable(
     """A zero optimizer variable of which each replica writes only its own copy (sync-on-read;
     ``aggregation`` says how a cross-replica read combines the copies). Keras'
     ``add_variable`` with ``synchronization="on_read"``, which it does not let callers pass."""
+    variable = untracked_variable(optimizer, shape, dtype, name, aggregation, "on_read")
+    track_variable(optimizer, variable)
+    return variable
+
+
+def untracked_variable(
+    optimizer: keras.optimizers.Optimizer,
+    shape,
+    dtype,
+    name: str,
+    aggregation: str,
+    synchronization: str,
+) -> keras.Variable:
+    """A zero variable in the optimizer's name scope that is not one of its ``_variables``
+    (the optimizer saves and checkpoints it its own way)."""
     with keras.name_scope(optimizer.name, caller=optimizer):
-        variable = keras.Variable(
+        return keras.Variable(
             initializer=keras.initializers.Zeros(),
             shape=shape,
             dtype=dtype,
             trainable=False,
             aggregation=aggregation,
-            synchronization="on_read",
+            synchronization=synchronization,
             name=name,
         )
-    track_variable(optimizer, variable)
-    return variable
 
 
 def disable_dense_all_reduce(optimizer: keras.optimizers.Optimizer | None) -> None:

@@ -10,7 +10,7 @@ with ``axis=0``, which scalars do not have. The repair, for models it applies to
 * each ``keras.callbacks.BackupAndRestore`` writes to and restores from its own subfolder
   ``worker_<index>`` of its ``backup_dir``, so every worker keeps its own error-feedback
   residuals (the optimizer saves each replica's residual, see
-  :mod:`tf_sparsify.keras.replica_values`).
+  :mod:`tf_sparsify.replica_values`).
 
 It applies to every model compiled with a :class:`~tf_sparsify.SparsifiedOptimizer` (anywhere
 in its optimizer chain), and to every model after :func:`enable_multi_worker_fit`. Models it

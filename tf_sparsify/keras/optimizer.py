@@ -8,6 +8,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_sparsify import replica_values
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor, deserialize
 from tf_sparsify.compressors.protocol import SparseUpdate
@@ -16,7 +17,6 @@ from tf_sparsify.keras import (
     inner_options,
     keras_private,
     multi_worker,
-    replica_values,
     sparse_sgd,
 )
 from tf_sparsify.options import ExchangeOptions
@@ -63,8 +63,9 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     Residuals are optimizer variables (checkpointed, saved in ``.keras`` files). Under a
     ``tf.distribute`` strategy each replica keeps its own residual (sync-on-read). Keras'
     saving (``.keras``, ``.weights.h5``, ``BackupAndRestore``) stores each replica's residual
-    and restores it exactly (:mod:`tf_sparsify.keras.replica_values`); a ``tf.train.Checkpoint``
-    stores their sum and splits it evenly on restore (the total mass is conserved). Under
+    and restores it exactly (:mod:`tf_sparsify.replica_values`); in a ``tf.train.Checkpoint``
+    the optimizer is one named, validated entry holding every replica's rows
+    (:mod:`tf_sparsify.checkpointing`), restored exactly. Under
     ``MultiWorkerMirroredStrategy``, ``model.fit`` works (:mod:`tf_sparsify.keras.multi_worker`)
     and every worker saves its own residuals. Non-finite
     gradients never enter the residuals; see :mod:`tf_sparsify.pipeline`.
@@ -111,6 +112,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             self._make_variable,
             transport,
             step=keras_private.iterations_variable(self),
+            also_saved=self._optimizer_entries,
         )
         self._state.enable_diagnostics(diagnostics_every)
 
@@ -136,16 +138,35 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         # through to the inner optimizer, which keeps its own: only index the variables here.
         keras_private.index_variables(self, var_list)
         self.built = True
+        self._state.checkpoint.build()  # a restore that came first
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """In checkpoints, the whole optimizer is one named entry (this wrapper's, the
+        exchange state's and the inner optimizer's variables; every replica's rows), checked
+        before a restore assigns anything (:mod:`tf_sparsify.checkpointing`)."""
+        if save_type != "checkpoint":
+            return super()._trackable_children(save_type, **kwargs)
+        return {"tf_sparsify_optimizer": self._state.checkpoint}
+
+    def _optimizer_entries(self) -> list[tuple[str, Any, str, str]]:
+        """This wrapper's and the inner optimizer's variables, for the checkpoint entry."""
+        own = [(f"optimizer/{i}", v, "shared", v.path) for i, v in enumerate(self._variables)]
+        inner = [
+            (f"inner/{i}", v, "shared", v.path)
+            for i, v in enumerate(self.inner_optimizer.variables)
+        ]
+        return own + inner
 
     def _make_variable(self, name: str, shape, dtype, kind: str) -> keras.Variable:
-        """The state's variables as optimizer variables (saved and checkpointed with it)."""
+        """A variable of the exchange state (in :attr:`variables`; checkpointed as the
+        state's one entry)."""
         if kind == "shared":
-            return self.add_variable(
-                shape, dtype=dtype, aggregation="only_first_replica", name=name
+            return keras_private.untracked_variable(
+                self, shape, dtype, name, "only_first_replica", "auto"
             )
         aggregation = {"per_replica_mean": "mean", "replicated": "only_first_replica"}
-        return keras_private.replica_variable(
-            self, shape, dtype, name, aggregation.get(kind, "sum")
+        return keras_private.untracked_variable(
+            self, shape, dtype, name, aggregation.get(kind, "sum"), "on_read"
         )
 
     @property
@@ -164,15 +185,17 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
 
         Everything else (error feedback, scope, sizes, heuristics) stays; residuals and momenta
         carry over. The plan and the byte counts are recomputed, so the statistics stay
-        truthful once the step is retraced (``model.make_train_function(force=True)``); the
-        transport is told (Horovod's ranks compare their plans again).
+        truthful once the step is retraced (``model.make_train_function(force=True)``). Under
+        Horovod every rank must make the same change (a rank that does not fails by name).
         """
         variables = keras_private.trainable_variables(self) if self.built else None
         self._state.set_pipeline(self.pipeline.with_compressor(deserialize(compressor)), variables)
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        """This wrapper's own variables, the exchange state's, then the inner optimizer's."""
+        state = [variable for _, variable, _ in self._state.saved]
+        return self._variables + state + self.inner_optimizer.variables
 
     @property
     def learning_rate(self):
@@ -230,7 +253,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     def save_own_variables(self, store) -> None:
         """Keras' saving (``.keras``, ``.weights.h5``): per-replica variables (residuals,
         momenta) as the stack of this process's replica values, read without a collective
-        (:mod:`tf_sparsify.keras.replica_values`)."""
+        (:mod:`tf_sparsify.replica_values`)."""
         for i, variable in enumerate(self.variables):
             store[str(i)] = replica_values.saved_value(variable)
 

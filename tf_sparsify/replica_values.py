@@ -1,4 +1,4 @@
-"""Saving and restoring per-replica optimizer variables replica by replica.
+"""Saving and restoring per-replica state variables replica by replica.
 
 Error-feedback residuals, DGC momenta and diagnostics are sync-on-read variables: each replica
 holds its own value. Keras saves a variable by reading it across replicas, which sums (or
@@ -21,9 +21,16 @@ import numpy as np
 import tensorflow as tf
 
 
+def _distributed(variable):
+    """The TF variable behind a Keras variable, or ``variable`` itself."""
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return variable
+    return getattr(variable, "value", variable)
+
+
 def _replica_parts(variable) -> tuple | None:
     """This process's per-replica components of a sync-on-read variable, else ``None``."""
-    value = getattr(variable, "value", variable)
+    value = _distributed(variable)
     if not isinstance(value, tf.distribute.DistributedValues):
         return None
     if value.synchronization != tf.VariableSynchronization.ON_READ:
@@ -31,8 +38,13 @@ def _replica_parts(variable) -> tuple | None:
     return tuple(value.distribute_strategy.experimental_local_results(value))
 
 
+def is_per_replica(variable) -> bool:
+    """Whether each replica this process holds keeps its own value of ``variable``."""
+    return _replica_parts(variable) is not None
+
+
 def _is_summed(variable) -> bool:
-    value = getattr(variable, "value", variable)
+    value = _distributed(variable)
     return value.aggregation == tf.VariableAggregation.SUM
 
 

@@ -1,0 +1,272 @@
+"""The exchange state in checkpoints: every replica's rows, keyed by name, checked first.
+
+An :class:`~tf_sparsify.state.ExchangeState` (residuals, momenta, compressor state, counters,
+diagnostics) is one entry of a ``tf.train.Checkpoint``, written by an
+:class:`ExchangeCheckpoint`: a string tensor holding a manifest (the exchange configuration,
+which rows the checkpoint holds, each variable's key, kind, shape and dtype) and the serialized
+values. One entry, because a restore must be all or nothing: the manifest is compared with this
+process's state before any value is assigned, and a different configuration or different
+variables are named instead of restored into the wrong buffers.
+
+Rows. A per-replica variable (residual, momentum, diagnostics) is saved as the stack of its
+rows: under tf.distribute, the replicas this process holds; under Horovod, this rank's own row,
+or every rank's once :func:`tf_sparsify.horovod.gather_error_memory` has gathered them on every
+rank (then a checkpoint written by rank 0 alone holds the whole job's error memory). Each
+replica or rank restores its own row, so restore-then-continue equals not stopping.
+
+When the checkpoint holds every row of a job of another size, the total is conserved: the rows
+are summed (averaged, for a mean) and split evenly over this job's rows, with one warning. A
+checkpoint without this process's rows (rank 0's alone, restored on rank 1) restores nothing for
+them and warns: that rank's error memory starts from zero.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.trackable import base as trackable
+
+from tf_sparsify import replica_values
+
+#: state kinds whose every replica holds its own value
+PER_REPLICA_KINDS = ("per_replica", "per_replica_mean")
+#: keys restored when both sides have them (diagnostics are a record, not training state)
+OPTIONAL_KEYS = ("diagnostics", "diagnostics_step")
+FORMAT = 1
+
+
+class ExchangeCheckpoint(trackable.Trackable):
+    """The checkpoint entry of one exchange state.
+
+    Args:
+        entries: the state's ``(key, variable, kind)`` triples (called when saving or
+            restoring, so variables made later are included); keys are positional
+            (``residual/3``: the residual of the fourth variable), stable across processes.
+        about: what a key belongs to (a model variable's path), for messages.
+        config: the exchange configuration to record and compare (JSON-able).
+        rows: ``local -> (first, world)``: the index of this process's first row and the
+            number of rows in the job, for a variable with ``local`` rows here.
+        built: whether the state's variables exist (a restore before waits for :meth:`build`).
+        step: the state's step counter (whose value tells whether gathered rows are current).
+    """
+
+    def __init__(
+        self,
+        entries: Callable[[], list[tuple[str, Any, str]]],
+        about: Callable[[str], str],
+        config: Callable[[], dict],
+        rows: Callable[[int], tuple[int, int]],
+        built: Callable[[], bool],
+        step: Callable[[], Any],
+    ):
+        self._entries = entries
+        self._about = about
+        self._config = config
+        self._rows = rows
+        self._built = built
+        self._step = step
+        self._gathered: dict[str, np.ndarray] = {}
+        self._gathered_at: int | None = None
+        self._pending: list[bytes] | None = None
+        #: the job's rows of each per-replica variable from the last restore of a complete
+        #: checkpoint (for a restore on one rank that is then broadcast)
+        self.restored_rows: dict[str, np.ndarray] = {}
+        #: restore residuals saved under another compressor configuration (same variables)
+        self.accept_other_config = False
+
+    # -- saving ---------------------------------------------------------------------------------
+    def gathered(self, rows: dict[str, np.ndarray]) -> None:
+        """Use these whole-job rows (from every rank) when saving at the current step."""
+        self._gathered = dict(rows)
+        self._gathered_at = self._current_step()
+
+    def local_rows(self) -> dict[str, np.ndarray]:
+        """This process's rows of every per-replica variable."""
+        return {
+            key: _stacked(variable)
+            for key, variable, kind in self._entries()
+            if kind in PER_REPLICA_KINDS
+        }
+
+    def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+        entries = self._entries()
+        use_gathered = bool(self._gathered) and self._gathered_at == self._current_step()
+        blobs, described = [], []
+        first = world = None
+        for key, variable, kind in entries:
+            if kind in PER_REPLICA_KINDS:
+                value = self._gathered[key] if use_gathered else _stacked(variable)
+                if first is None:
+                    first, world = (0, len(value)) if use_gathered else self._rows(len(value))
+            else:
+                value = np.asarray(tf.convert_to_tensor(variable))
+            described.append(
+                {
+                    "key": key,
+                    "about": self._about(key),
+                    "kind": kind,
+                    "shape": list(variable.shape),
+                    "dtype": tf.as_dtype(variable.dtype).name,
+                }
+            )
+            blobs.append(tf.io.serialize_tensor(tf.convert_to_tensor(value)).numpy())
+        manifest = {
+            "format": FORMAT,
+            "config": self._config(),
+            "first_row": first,
+            "world": world,
+            "entries": described,
+        }
+        texts = [json.dumps(manifest, sort_keys=True).encode()] + blobs
+        return {"state": tf.constant(np.array(texts, dtype=object))}
+
+    # -- restoring ------------------------------------------------------------------------------
+    def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]):
+        texts = list(restored_tensors["state"].numpy())
+        if self._built():
+            self._apply(texts)
+        else:
+            self._pending = texts
+        return tf.no_op()
+
+    def build(self) -> None:
+        """Apply a restore that came before the state's variables existed."""
+        if self._pending is not None:
+            texts, self._pending = self._pending, None
+            self._apply(texts)
+
+    def _apply(self, texts: list[bytes]) -> None:
+        manifest = json.loads(texts[0])
+        entries = self._entries()
+        self._check(manifest, entries)
+        values = {
+            e["key"]: tf.io.parse_tensor(blob, tf.as_dtype(e["dtype"])).numpy()
+            for blob, e in zip(texts[1:], manifest["entries"], strict=True)
+        }
+        plan, notes = [], []
+        for key, variable, kind in entries:
+            if key not in values:  # an optional key the checkpoint lacks
+                continue
+            value = values[key]
+            if kind in PER_REPLICA_KINDS:
+                value, note = self._own_rows(key, variable, kind, value, manifest)
+                if note:
+                    notes.append(note)
+            plan.append((key, variable, kind, value))
+        for key, variable, kind, value in plan:  # everything checked: now assign
+            if value is None:
+                continue
+            if kind in PER_REPLICA_KINDS and replica_values.is_per_replica(variable):
+                replica_values.restore(variable, value, key)
+            else:
+                variable.assign(value[0] if kind in PER_REPLICA_KINDS else value)
+        if notes:
+            warnings.warn(
+                "tf_sparsify: restoring the exchange state: " + "; ".join(sorted(set(notes))),
+                stacklevel=4,
+            )
+
+    def restore_rows(self, rows: dict[str, np.ndarray]) -> None:
+        """Assign this process's rows from every row of the job (``{key: [world, ...]}``)."""
+        for key, variable, kind in self._entries():
+            if key in rows:
+                manifest = {"first_row": 0, "world": len(rows[key])}
+                value, _ = self._own_rows(key, variable, kind, rows[key], manifest)
+                if value is not None:
+                    if replica_values.is_per_replica(variable):
+                        replica_values.restore(variable, value, key)
+                    else:
+                        variable.assign(value[0])
+
+    def _check(self, manifest: dict, entries: list[tuple[str, Any, str]]) -> None:
+        """ValueError naming what differs between the checkpoint and this state."""
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"Unknown tf_sparsify checkpoint format {manifest.get('format')!r}.")
+        saved = {
+            e["key"]: (e["kind"], e["shape"], e["dtype"])
+            for e in manifest["entries"]
+            if e["key"] not in OPTIONAL_KEYS
+        }
+        current = {
+            key: (kind, list(v.shape), tf.as_dtype(v.dtype).name)
+            for key, v, kind in entries
+            if key not in OPTIONAL_KEYS
+        }
+        config, saved_config = self._config(), manifest["config"]
+        if config != saved_config and not self.accept_other_config:
+            raise ValueError(
+                "This checkpoint holds the exchange state of another configuration: saved "
+                f"{json.dumps(saved_config, sort_keys=True)}, this exchange "
+                f"{json.dumps(config, sort_keys=True)}. Restore into the same compressor and "
+                "options, or set `accept_other_config = True` on the exchange state "
+                "(`optimizer.exchange_checkpoint` / `exchange.exchange_checkpoint`) to carry "
+                "residuals over where the variables are the same (e.g. another TopK ratio)."
+            )
+        if saved != current:
+            saved_about = {e["key"]: e.get("about", "") for e in manifest["entries"]}
+
+            def named(keys, about) -> list[str]:
+                return [f"{k} ({about(k)})" if about(k) else k for k in sorted(keys)]
+
+            missing = named(set(current) - set(saved), self._about)
+            extra = named(set(saved) - set(current), saved_about.get)
+            changed = {
+                f"{k} ({self._about(k)})": {"saved": saved[k], "here": current[k]}
+                for k in sorted(set(saved) & set(current))
+                if saved[k] != current[k]
+            }
+            raise ValueError(
+                "This checkpoint's exchange state does not fit this exchange (nothing was "
+                f"restored): not in the checkpoint {missing}; in the checkpoint, not here "
+                f"{extra}; different (kind, shape, dtype) {changed}. Saved configuration "
+                f"{json.dumps(saved_config, sort_keys=True)}, this exchange "
+                f"{json.dumps(config, sort_keys=True)}."
+            )
+
+    def _own_rows(
+        self, key: str, variable, kind: str, value: np.ndarray, manifest: dict
+    ) -> tuple[np.ndarray | None, str]:
+        """This process's rows of a per-replica variable, and a note when not exact."""
+        local = len(_stacked(variable))
+        first, world = self._rows(local)
+        saved_first, saved_world = manifest["first_row"], manifest["world"]
+        complete = saved_first == 0 and len(value) == saved_world
+        if complete:
+            self.restored_rows[key] = value
+        if (
+            saved_world == world
+            and saved_first <= first
+            and first + local <= saved_first + len(value)
+        ):
+            start = first - saved_first
+            return value[start : start + local], ""
+        if saved_world == world or not complete:
+            return None, (
+                f"the checkpoint holds rows {saved_first}..{saved_first + len(value) - 1} of "
+                f"{saved_world}, not this process's rows {first}..{first + local - 1}: their "
+                "error memory starts from zero (under Horovod, call "
+                "tf_sparsify.horovod.gather_error_memory on every rank before rank 0 saves)"
+            )
+        total = value.sum(0) if kind == "per_replica" else value.mean(0)
+        share = total / world if kind == "per_replica" else total
+        rows = np.stack([share] * local).astype(value.dtype)
+        return rows, (
+            f"the checkpoint was written by a job of {saved_world} rows and this one has "
+            f"{world}: each variable's total is conserved (summed, then split evenly), not each "
+            "row's value"
+        )
+
+    def _current_step(self) -> int | None:
+        step = self._step()
+        return None if step is None else int(tf.convert_to_tensor(step).numpy())
+
+
+def _stacked(variable) -> np.ndarray:
+    """This process's rows of ``variable``: its replicas' values, or its value as one row."""
+    value = replica_values.saved_value(variable)
+    return value if replica_values.is_per_replica(variable) else value[None]
