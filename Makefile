@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup ops horovod sysdeps demo test lint format bench-network
 
-$(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
+$(VENV)/.installed: setup.cfg setup.py pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'

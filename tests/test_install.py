@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 from tests.conftest import run_python
@@ -75,6 +77,46 @@ def test_pip_install_from_checkout_builds_and_loads_kernels(tmp_path):
     assert _run([py, "-c", topk], work, {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"}).strip() == (
         "[1, 2]"
     )
+
+
+KERNEL_SOURCES = ("cc/ops/ops.cc", "cc/kernels/topk_error_feedback_cpu.cc", "cuda/topk.cu")
+
+
+def test_sdist_and_wheel_carry_the_kernel_sources(tmp_path):
+    """The checkout keeps its kernels in custom_ops/; the sdist carries that tree (it builds
+    from source) and the wheel carries it as tf_sparsify/ops/src/, where the build finds it."""
+    checkout = tmp_path / "checkout"
+    _copy_checkout(checkout)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TF_SPARSIFY"))}
+    _run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], checkout, env)
+    (sdist,) = (tmp_path / "dist").glob("tf_sparsify-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = archive.getnames()
+    top = names[0].split("/")[0]
+    for source in KERNEL_SOURCES:
+        assert f"{top}/custom_ops/{source}" in names
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "wheels"),
+            str(sdist),
+        ],
+        tmp_path,
+        env,
+    )
+    (wheel,) = (tmp_path / "wheels").glob("tf_sparsify-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    for source in KERNEL_SOURCES:
+        assert f"tf_sparsify/ops/src/{source}" in names
+    assert not any(name.startswith("custom_ops/") for name in names)
 
 
 def test_import_leaves_tensorflow_unconfigured():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks of the TF-free CUDA core on a machine with nvcc, NumPy and PyTorch (no
-# TensorFlow): builds tf_sparsify/ops/src/cuda into libtfs_cuda.so for this GPU's architecture,
+# TensorFlow): builds custom_ops/cuda into libtfs_cuda.so for this GPU's architecture,
 # runs the small cases under compute-sanitizer (memcheck, racecheck, synccheck, initcheck) when
 # it is installed, then checks the core against the NumPy model (the CPU kernels' semantics) on
 # adversarial cases, on a non-default stream, in a CUDA graph, with guard bytes and misaligned
@@ -26,13 +26,13 @@ if [[ -z "$CAP" ]]; then
   CAP=$("$PY" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
 fi
 echo "nvcc: $("$NVCC" --version | tail -n1); building for sm_$CAP"
-FLAGS=(-std=c++17 -O3 --fmad=false -Xcompiler -fPIC -Itf_sparsify/ops/src/include
+FLAGS=(-std=c++17 -O3 --fmad=false -Xcompiler -fPIC -Icustom_ops/include
        -gencode "arch=compute_$CAP,code=sm_$CAP")
 start=$(date +%s)
 pids=()
 objects=()
 for source in topk qsgd scatter_sum; do
-  "$NVCC" "${FLAGS[@]}" -c "tf_sparsify/ops/src/cuda/$source.cu" -o "$BUILD/$source.o" &
+  "$NVCC" "${FLAGS[@]}" -c "custom_ops/cuda/$source.cu" -o "$BUILD/$source.o" &
   pids+=($!)
   objects+=("$BUILD/$source.o")
 done

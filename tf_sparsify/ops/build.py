@@ -1,6 +1,7 @@
 """Build the custom-op libraries against the installed TensorFlow.
 
-``python -m tf_sparsify.ops.build`` compiles the sources shipped in ``tf_sparsify/ops/src/``
+``python -m tf_sparsify.ops.build`` compiles the kernel sources (a checkout's ``custom_ops/``,
+an installed package's ``tf_sparsify/ops/src/``: :data:`~tf_sparsify.ops.paths.SOURCE_DIR`)
 with the flags of the TensorFlow in this interpreter, into the folder chosen by
 :mod:`tf_sparsify.ops.paths` (the package's ``lib/`` when writable, else a per-user cache):
 ``_tf_sparsify_ops.so`` (the ops and their CPU kernels), ``_tf_sparsify_ops_gpu.so`` (GPU

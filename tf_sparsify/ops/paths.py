@@ -9,6 +9,10 @@ The build writes into the first of:
 
 The loader tries (2) then (3) and takes the first whose ``build_info.json`` names the running
 TensorFlow version.
+
+The kernel sources live in the checkout's top-level ``custom_ops/`` (``cc/ops``, ``cc/kernels``,
+``cuda``, ``include``); an installed package carries the same tree as ``tf_sparsify/ops/src/``
+(``setup.py`` maps one onto the other), so the build finds them either way.
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ GPU_LIB_NAME = "_tf_sparsify_ops_gpu.so"
 INFO_NAME = "build_info.json"
 LIB_DIR_ENV = "TF_SPARSIFY_LIB_DIR"
 PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "lib"
-SOURCE_DIR = Path(__file__).resolve().parent / "src"
+_ROOT = Path(__file__).resolve().parents[2]
+#: the kernel sources: a checkout's ``custom_ops/`` (next to its ``setup.cfg``), else the
+#: installed package's copy
+SOURCE_DIR = (
+    _ROOT / "custom_ops"
+    if (_ROOT / "setup.cfg").is_file() and (_ROOT / "custom_ops").is_dir()
+    else Path(__file__).resolve().parent / "src"
+)
 
 
 def cache_dir(tf_version: str) -> Path:
