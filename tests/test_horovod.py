@@ -43,12 +43,13 @@ def _require_horovod() -> None:
 
 
 def horovodrun(
-    script: str, *args: str, timeout: int = TIMEOUT_S, ranks: int = 2
+    script: str, *args: str, timeout: int = TIMEOUT_S, ranks: int = 2, options: tuple = ()
 ) -> tuple[int, str]:
-    """Run ``script`` on ``ranks`` ranks; ``(exit code, output)``. A run past ``timeout`` (a
-    hang) is killed with everything it started, and the test fails."""
+    """Run ``script`` on ``ranks`` ranks (``options``: more of horovodrun's); ``(exit code,
+    output)``. A run past ``timeout`` (a hang) is killed with everything it started, and the
+    test fails."""
     _require_horovod()
-    command = [HOROVODRUN, "-np", str(ranks), "--gloo", sys.executable, script, *args]
+    command = [HOROVODRUN, "-np", str(ranks), *options, "--gloo", sys.executable, script, *args]
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen(
         command,
@@ -343,3 +344,51 @@ def test_distributed_optimizer_saves_and_loads_as_keras(tmp_path):
     assert type(loaded.optimizer) is DistributedOptimizer
     assert loaded.optimizer.get_config() == opt.get_config()
     np.testing.assert_array_equal(loaded.optimizer.residuals[0].numpy(), 0.5)
+
+
+# -- elastic: a worker is killed, another comes back -------------------------------------------
+DISCOVERY = """#!/bin/sh
+echo localhost:1
+echo 127.0.0.1:1
+"""
+
+
+@pytest.fixture(scope="module", params=["exchange", "keras"])
+def elastic(request, tmp_path_factory) -> list[dict]:
+    """The ``sync`` records of an elastic job, in order."""
+    folder = tmp_path_factory.mktemp(f"elastic_{request.param}")
+    script = folder / "discover.sh"
+    script.write_text(DISCOVERY)
+    script.chmod(0o755)
+    options = (
+        *("--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script)),
+        *("--blacklist-cooldown-range", "1", "2"),
+    )
+    code, out = horovodrun(
+        os.path.join(WORKERS, "elastic.py"), request.param, str(folder), ranks=2, options=options
+    )
+    records = [
+        json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line
+    ]
+    assert code == 0 and any(r["check"] == "done" for r in records), (
+        f"elastic job exited {code}:\n{out[-6000:]}"
+    )
+    return [r for r in records if r["check"] == "sync"]
+
+
+def test_a_lost_workers_error_memory_goes_to_the_survivor(elastic):
+    """After the kill, the survivor's residuals hold the job's committed total (its own and
+    the killed worker's), not its own alone."""
+    alone = [r for r in elastic if r["size"] == 1]
+    assert alone, elastic
+    survivor = alone[0]
+    assert survivor["host"] == "localhost"
+    assert survivor["residual"] == pytest.approx(survivor["committed_total"], rel=1e-5, abs=1e-6)
+
+
+def test_a_worker_that_comes_back_starts_from_zero(elastic):
+    back = [r for r in elastic if r["size"] == 2 and r["step"] > 0]
+    assert {r["host"] for r in back} == {"localhost", "127.0.0.1"}, elastic
+    newcomer = next(r for r in back if r["host"] == "127.0.0.1")
+    assert newcomer["residual"] == 0.0
+    assert all(r["weights_equal"] for r in back)

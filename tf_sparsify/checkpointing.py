@@ -85,6 +85,11 @@ class ExchangeCheckpoint(trackable.Trackable):
         self._gathered = dict(rows)
         self._gathered_at = self._current_step()
 
+    def shared_variables(self) -> list:
+        """The variables every replica holds alike (counters, compressor state, a Keras
+        optimizer's own)."""
+        return [v for _, v, kind in self._entries() if kind not in PER_REPLICA_KINDS]
+
     def local_rows(self) -> dict[str, np.ndarray]:
         """This process's rows of every per-replica variable."""
         return {
@@ -171,17 +176,25 @@ class ExchangeCheckpoint(trackable.Trackable):
                 stacklevel=4,
             )
 
+    def restore_rows_of_process(self, rows: dict[str, np.ndarray]) -> None:
+        """Assign this process's rows (``{key: [local, ...]}``, as :meth:`local_rows` gives)."""
+        for key, variable, _ in self._entries():
+            if key in rows:
+                if replica_values.is_per_replica(variable):
+                    replica_values.restore(variable, rows[key], key)
+                else:
+                    variable.assign(rows[key][0])
+
     def restore_rows(self, rows: dict[str, np.ndarray]) -> None:
         """Assign this process's rows from every row of the job (``{key: [world, ...]}``)."""
+        own = {}
         for key, variable, kind in self._entries():
             if key in rows:
                 manifest = {"first_row": 0, "world": len(rows[key])}
                 value, _ = self._own_rows(key, variable, kind, rows[key], manifest)
                 if value is not None:
-                    if replica_values.is_per_replica(variable):
-                        replica_values.restore(variable, value, key)
-                    else:
-                        variable.assign(value[0])
+                    own[key] = value
+        self.restore_rows_of_process(own)
 
     def _check(self, manifest: dict, entries: list[tuple[str, Any, str]]) -> None:
         """ValueError naming what differs between the checkpoint and this state."""

@@ -23,6 +23,7 @@ from tf_sparsify.horovod.compression import (
     RandomKCompression,
     TopKCompression,
 )
+from tf_sparsify.horovod.elastic import ElasticState
 from tf_sparsify.horovod.error_memory import gather_error_memory, scatter_error_memory
 from tf_sparsify.horovod.hierarchy import Topology, init
 from tf_sparsify.horovod.optimizer import DistributedOptimizer
@@ -35,6 +36,7 @@ __all__ = [
     "BroadcastGlobalVariablesCallback",
     "DistributedGradientTape",
     "DistributedOptimizer",
+    "ElasticState",
     "FP16Compression",
     "GradientExchange",
     "HorovodCollective",
