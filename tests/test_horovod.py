@@ -242,17 +242,14 @@ def test_a_rank_missing_from_the_checkpoint_is_warned(restart):
     assert records[1]["warned"] and not records[0]["warned"]
 
 
-def test_set_compressor_on_one_rank_is_named_not_a_hang(mismatch):
-    """The plan fingerprint rides in every step's first gather: a rank that changed its
-    compressor alone fails by name (same payload shapes) ..."""
-    for rank, record in _passed(mismatch, "set_compressor_on_one_rank").items():
+@pytest.mark.parametrize("case", ["set_compressor_on_one_rank", "set_compressor_k_on_one_rank"])
+def test_set_compressor_on_one_rank_is_named_not_a_hang(mismatch, case):
+    """The plan fingerprint rides in every step's first gather (payloads travel flat, so
+    ranks whose sizes drifted apart still reach it): a rank that changed its compressor alone
+    (another seed, another k) fails by name, on every rank."""
+    for rank, record in _passed(mismatch, case).items():
         assert "differ in their compressor" in record["message"]
         assert f"rank {rank} of 2" in record["message"]
-
-
-def test_set_compressor_k_on_one_rank_fails_fast(mismatch):
-    """... or by Horovod's own shape check (another k), within seconds either way."""
-    _passed(mismatch, "set_compressor_k_on_one_rank")
 
 
 def test_mismatch_after_restore_is_named(mismatch):

@@ -96,10 +96,14 @@ class HorovodCollective(Collective):
         return out
 
     def all_gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        tensors, stamp = self._stamped(self._gated(tensors), rows=False)
-        out: list[tf.Tensor | None] = [None] * len(tensors)
-        _by_dtype(tensors, range(len(tensors)), self._gather, out)
-        return self._checked(out, stamp)
+        """Each tensor flat, gathered (so ranks whose payload sizes drifted apart still reach
+        the plan fingerprint's check), then stacked ``[P, *shape]``."""
+        tensors = self._gated(tensors)
+        sent, stamp = self._stamped(tensors)
+        flat: list[tf.Tensor | None] = [None] * len(sent)
+        _by_dtype(sent, range(len(sent)), self._gather_flat, flat)
+        flat = self._checked(flat, stamp)
+        return [self._stacked(g, t) for g, t in zip(flat, tensors, strict=True)]
 
     def reduce_scatter_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """Each tensor summed over the ranks, then split along its first axis (of a length
@@ -136,9 +140,9 @@ class HorovodCollective(Collective):
     def all_gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """``hvd.grouped_allgather`` of tensors whose first dimension may differ by rank, one
         group per dtype (bfloat16 as its int16 bits)."""
-        tensors, stamp = self._stamped(self._gated(tensors), rows=True)
-        out: list[tf.Tensor | None] = [None] * len(tensors)
-        _by_dtype(tensors, range(len(tensors)), self._gather_rows, out)
+        sent, stamp = self._stamped(self._gated(tensors))
+        out: list[tf.Tensor | None] = [None] * len(sent)
+        _by_dtype(sent, range(len(sent)), self._gather_rows, out)
         return self._checked(out, stamp)
 
     # -- transfers (one dtype per call) ------------------------------------------------------
@@ -155,14 +159,19 @@ class HorovodCollective(Collective):
         ]
 
     def _gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Each tensor stacked over ranks: ``[P, *shape]`` (bfloat16 as its int16 bits)."""
-        rows = [_wire(t)[None] for t in tensors]
-        self._count(rows)
-        gathered = hvd.grouped_allgather(rows, process_set=self._set)
-        return [
-            _unwire(tf.ensure_shape(g, [self.num_replicas, *t.shape]), t.dtype)
-            for g, t in zip(gathered, tensors, strict=True)
-        ]
+        """Each tensor stacked over ranks: ``[P, *shape]``."""
+        gathered = self._gather_flat(tensors)
+        return [self._stacked(g, t) for g, t in zip(gathered, tensors, strict=True)]
+
+    def _gather_flat(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each tensor flattened, the ranks' concatenated (bfloat16 as its int16 bits)."""
+        flat = [tf.reshape(_wire(t), [-1]) for t in tensors]
+        self._count(flat)
+        return list(hvd.grouped_allgather(flat, process_set=self._set))
+
+    def _stacked(self, gathered: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+        """The ranks' flat copies of a tensor like ``like``, as ``[P, *shape]``."""
+        return _unwire(tf.reshape(gathered, [self.num_replicas, *like.shape]), like.dtype)
 
     def _gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         wired = [_wire(t) for t in tensors]
@@ -184,7 +193,7 @@ class HorovodCollective(Collective):
             sizes = [tf.size(t, out_type=tf.int64) * t.dtype.size for t in tensors]
             self._counter.assign_add(tf.add_n(sizes))
 
-    def _stamped(self, tensors: list[tf.Tensor], rows: bool) -> tuple[list, tf.DType | None]:
+    def _stamped(self, tensors: list[tf.Tensor]) -> tuple[list, tf.DType | None]:
         """``tensors`` and, on this step's first gather, the fingerprint as one more tensor of
         the first tensor's wire dtype (so it joins that dtype's group); that dtype."""
         if self._stamp is None or not tensors:
@@ -194,7 +203,7 @@ class HorovodCollective(Collective):
             dtype = tf.uint8
         raw = tf.bitcast(self._stamp[0], tf.uint8)  # [fields, 8]
         packed = tf.bitcast(tf.reshape(raw, [-1, dtype.size]), dtype)
-        packed = tf.reshape(packed, [1, -1] if rows else [-1])
+        packed = tf.reshape(packed, [-1])
         if self._counter is not None:  # the fingerprint is not payload
             self._counter.assign_add(-tf.size(packed, out_type=tf.int64) * dtype.size)
         return [*tensors, packed], dtype
