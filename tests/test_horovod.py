@@ -236,6 +236,11 @@ def test_one_checkpoint_by_rank0_restores_every_rank_exactly(restart, case):
         assert record["max_difference"] == 0.0
 
 
+def test_a_keras_file_says_whose_error_memory_it_holds(restart):
+    for record in _passed(restart, "keras_file_warns").values():
+        assert record["warned"]
+
+
 def test_a_rank_missing_from_the_checkpoint_is_warned(restart):
     """Without the gather, rank 1 is not fed rank 0's residual: it starts from zero, warned."""
     records = _passed(restart, "keras_rank0_rows_only")

@@ -69,6 +69,20 @@ def keras_restart(name: str, gather: bool, restore_on: str) -> dict:
     return {"max_difference": max_difference(straight, resumed), "warned": starts_from_zero}
 
 
+def keras_file_warns() -> dict:
+    """A .keras file written by rank 0 holds rank 0's error memory: loading it says so."""
+    model, _ = model_and_optimizer()
+    fit(model, 1)
+    path = os.path.join(FOLDER, "model.keras")
+    if RANK == 0:
+        model.save(path)
+    hvd.allreduce(tf.constant(0.0), name="keras_file_written")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        keras.models.load_model(path)
+    return {"warned": any("error memory" in str(w.message) for w in caught)}
+
+
 def exchange_restart(restore_on: str) -> dict:
     shapes = [(6, 5), (5,)]
     rng = np.random.default_rng(RANK)
@@ -110,6 +124,7 @@ def main() -> None:
             lambda r=restore_on: keras_restart(f"keras_{r}", True, r),
         )
         checks.run(f"exchange_gathered_{restore_on}", lambda r=restore_on: exchange_restart(r))
+    checks.run("keras_file_warns", keras_file_warns)
     checks.run(
         "keras_rank0_rows_only", lambda: keras_restart("keras_rank0_only", False, "every_rank")
     )

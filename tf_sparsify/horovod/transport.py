@@ -110,7 +110,10 @@ class HorovodTransport(Transport):
         )
 
     def checkpoint_rows(self, local: int) -> tuple[int, int]:
-        """One row per rank: this rank's, of ``hvd.size()``."""
+        """One row per rank: this rank's, of ``hvd.size()`` (outside a Horovod job, the one
+        process's)."""
+        if not hvd.is_initialized():
+            return 0, local
         return hvd.rank() * local, hvd.size() * local
 
     def gather_rows(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

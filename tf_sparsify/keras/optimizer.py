@@ -273,6 +273,15 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             replica_values.check_restorable(variable, value, variable.path)
         for variable, value in zip(variables, saved, strict=True):
             replica_values.restore(variable, value, variable.path)
+        _, world = self.transport.checkpoint_rows(1)
+        if world > 1 and any(r is not None for r in self.residuals + self.momenta):
+            warnings.warn(
+                "A Keras file holds the error memory (residuals, momenta) of the process that "
+                f"wrote it; each of the {world} ranks restoring it now continues from those, "
+                "not from its own. For every rank's own, use tf.train.Checkpoint after "
+                "tf_sparsify.horovod.gather_error_memory (see tf_sparsify.checkpointing).",
+                stacklevel=2,
+            )
 
     # -- one step -----------------------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):
