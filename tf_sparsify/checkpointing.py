@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -40,14 +40,24 @@ OPTIONAL_KEYS = ("diagnostics", "diagnostics_step")
 FORMAT = 1
 
 
+class Entry(NamedTuple):
+    """One variable of a checkpoint entry."""
+
+    #: positional and stable across processes (``residual/3``: the fourth variable's residual)
+    key: str
+    variable: Any
+    #: ``per_replica``, ``per_replica_mean`` (every replica its own), ``replicated``, ``shared``
+    kind: str
+    #: what it belongs to (a model variable's path), for messages
+    about: str = ""
+
+
 class ExchangeCheckpoint(trackable.Trackable):
     """The checkpoint entry of one exchange state.
 
     Args:
-        entries: the state's ``(key, variable, kind)`` triples (called when saving or
-            restoring, so variables made later are included); keys are positional
-            (``residual/3``: the residual of the fourth variable), stable across processes.
-        about: what a key belongs to (a model variable's path), for messages.
+        entries: the state's :class:`Entry` records (called when saving or restoring, so
+            variables made later are included).
         config: the exchange configuration to record and compare (JSON-able).
         rows: ``local -> (first, world)``: the index of this process's first row and the
             number of rows in the job, for a variable with ``local`` rows here.
@@ -57,15 +67,13 @@ class ExchangeCheckpoint(trackable.Trackable):
 
     def __init__(
         self,
-        entries: Callable[[], list[tuple[str, Any, str]]],
-        about: Callable[[str], str],
+        entries: Callable[[], list[Entry]],
         config: Callable[[], dict],
         rows: Callable[[int], tuple[int, int]],
         built: Callable[[], bool],
         step: Callable[[], Any],
     ):
         self._entries = entries
-        self._about = about
         self._config = config
         self._rows = rows
         self._built = built
@@ -88,22 +96,18 @@ class ExchangeCheckpoint(trackable.Trackable):
     def shared_variables(self) -> list:
         """The variables every replica holds alike (counters, compressor state, a Keras
         optimizer's own)."""
-        return [v for _, v, kind in self._entries() if kind not in PER_REPLICA_KINDS]
+        return [e.variable for e in self._entries() if e.kind not in PER_REPLICA_KINDS]
 
     def local_rows(self) -> dict[str, np.ndarray]:
         """This process's rows of every per-replica variable."""
-        return {
-            key: _stacked(variable)
-            for key, variable, kind in self._entries()
-            if kind in PER_REPLICA_KINDS
-        }
+        return {e.key: _stacked(e.variable) for e in self._entries() if e.kind in PER_REPLICA_KINDS}
 
     def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
         entries = self._entries()
         use_gathered = bool(self._gathered) and self._gathered_at == self._current_step()
         blobs, described = [], []
         first = world = None
-        for key, variable, kind in entries:
+        for key, variable, kind, about in entries:
             if kind in PER_REPLICA_KINDS:
                 value = self._gathered[key] if use_gathered else _stacked(variable)
                 if first is None:
@@ -113,7 +117,7 @@ class ExchangeCheckpoint(trackable.Trackable):
             described.append(
                 {
                     "key": key,
-                    "about": self._about(key),
+                    "about": about,
                     "kind": kind,
                     "shape": list(variable.shape),
                     "dtype": tf.as_dtype(variable.dtype).name,
@@ -153,23 +157,21 @@ class ExchangeCheckpoint(trackable.Trackable):
             e["key"]: tf.io.parse_tensor(blob, tf.as_dtype(e["dtype"])).numpy()
             for blob, e in zip(texts[1:], manifest["entries"], strict=True)
         }
-        plan, notes = [], []
-        for key, variable, kind in entries:
+        shared, own, notes = [], {}, []
+        for key, variable, kind, _ in entries:
             if key not in values:  # an optional key the checkpoint lacks
                 continue
-            value = values[key]
-            if kind in PER_REPLICA_KINDS:
-                value, note = self._own_rows(key, variable, kind, value, manifest)
-                if note:
-                    notes.append(note)
-            plan.append((key, variable, kind, value))
-        for key, variable, kind, value in plan:  # everything checked: now assign
-            if value is None:
+            if kind not in PER_REPLICA_KINDS:
+                shared.append((variable, values[key]))
                 continue
-            if kind in PER_REPLICA_KINDS and replica_values.is_per_replica(variable):
-                replica_values.restore(variable, value, key)
-            else:
-                variable.assign(value[0] if kind in PER_REPLICA_KINDS else value)
+            rows, note = self._own_rows(key, variable, kind, values[key], manifest)
+            if note:
+                notes.append(note)
+            if rows is not None:
+                own[key] = rows
+        for variable, value in shared:  # everything checked: now assign
+            variable.assign(value)
+        self.restore_rows_of_process(own)
         if notes:
             warnings.warn(
                 "tf_sparsify: restoring the exchange state: " + "; ".join(sorted(set(notes))),
@@ -178,7 +180,7 @@ class ExchangeCheckpoint(trackable.Trackable):
 
     def restore_rows_of_process(self, rows: dict[str, np.ndarray]) -> None:
         """Assign this process's rows (``{key: [local, ...]}``, as :meth:`local_rows` gives)."""
-        for key, variable, _ in self._entries():
+        for key, variable, _, _ in self._entries():
             if key in rows:
                 if replica_values.is_per_replica(variable):
                     replica_values.restore(variable, rows[key], key)
@@ -188,7 +190,7 @@ class ExchangeCheckpoint(trackable.Trackable):
     def restore_rows(self, rows: dict[str, np.ndarray]) -> None:
         """Assign this process's rows from every row of the job (``{key: [world, ...]}``)."""
         own = {}
-        for key, variable, kind in self._entries():
+        for key, variable, kind, _ in self._entries():
             if key in rows:
                 manifest = {"first_row": 0, "world": len(rows[key])}
                 value, _ = self._own_rows(key, variable, kind, rows[key], manifest)
@@ -196,7 +198,7 @@ class ExchangeCheckpoint(trackable.Trackable):
                     own[key] = value
         self.restore_rows_of_process(own)
 
-    def _check(self, manifest: dict, entries: list[tuple[str, Any, str]]) -> None:
+    def _check(self, manifest: dict, entries: list[Entry]) -> None:
         """ValueError naming what differs between the checkpoint and this state."""
         if manifest.get("format") != FORMAT:
             raise ValueError(f"Unknown tf_sparsify checkpoint format {manifest.get('format')!r}.")
@@ -206,9 +208,9 @@ class ExchangeCheckpoint(trackable.Trackable):
             if e["key"] not in OPTIONAL_KEYS
         }
         current = {
-            key: (kind, list(v.shape), tf.as_dtype(v.dtype).name)
-            for key, v, kind in entries
-            if key not in OPTIONAL_KEYS
+            e.key: (e.kind, list(e.variable.shape), tf.as_dtype(e.variable.dtype).name)
+            for e in entries
+            if e.key not in OPTIONAL_KEYS
         }
         config, saved_config = self._config(), manifest["config"]
         if config != saved_config and not self.accept_other_config:
@@ -222,14 +224,15 @@ class ExchangeCheckpoint(trackable.Trackable):
             )
         if saved != current:
             saved_about = {e["key"]: e.get("about", "") for e in manifest["entries"]}
+            about = {e.key: e.about for e in entries}
 
             def named(keys, about) -> list[str]:
-                return [f"{k} ({about(k)})" if about(k) else k for k in sorted(keys)]
+                return [f"{k} ({about[k]})" if about[k] else k for k in sorted(keys)]
 
-            missing = named(set(current) - set(saved), self._about)
-            extra = named(set(saved) - set(current), saved_about.get)
+            missing = named(set(current) - set(saved), about)
+            extra = named(set(saved) - set(current), saved_about)
             changed = {
-                f"{k} ({self._about(k)})": {"saved": saved[k], "here": current[k]}
+                f"{k} ({about[k]})": {"saved": saved[k], "here": current[k]}
                 for k in sorted(set(saved) & set(current))
                 if saved[k] != current[k]
             }
@@ -245,7 +248,7 @@ class ExchangeCheckpoint(trackable.Trackable):
         self, key: str, variable, kind: str, value: np.ndarray, manifest: dict
     ) -> tuple[np.ndarray | None, str]:
         """This process's rows of a per-replica variable, and a note when not exact."""
-        local = len(_stacked(variable))
+        local = replica_values.replica_count(variable)
         first, world = self._rows(local)
         saved_first, saved_world = manifest["first_row"], manifest["world"]
         complete = saved_first == 0 and len(value) == saved_world

@@ -43,6 +43,12 @@ def is_per_replica(variable) -> bool:
     return _replica_parts(variable) is not None
 
 
+def replica_count(variable) -> int:
+    """How many values of ``variable`` this process holds (one unless per-replica)."""
+    parts = _replica_parts(variable)
+    return 1 if parts is None else len(parts)
+
+
 def _is_summed(variable) -> bool:
     value = _distributed(variable)
     return value.aggregation == tf.VariableAggregation.SUM

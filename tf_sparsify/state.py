@@ -14,12 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import tensorflow as tf
 
 from tf_sparsify import memory
-from tf_sparsify.checkpointing import ExchangeCheckpoint
+from tf_sparsify.checkpointing import Entry, ExchangeCheckpoint
 from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
 from tf_sparsify.compressors.base import MultiRoundExchange
 from tf_sparsify.measurements import STAT_NAMES
@@ -39,7 +38,8 @@ class ExchangeState:
         step: a counter variable to use as the step (the Keras optimizer's own iterations);
             ``None`` makes one named ``"step"`` when built.
         also_saved: the front end's own variables to save in the state's checkpoint entry,
-            as ``(key, variable, kind, about)`` (a Keras optimizer's, so a restore is atomic).
+            as :class:`~tf_sparsify.checkpointing.Entry` records (a Keras optimizer's, so a
+            restore is atomic).
     """
 
     def __init__(
@@ -48,7 +48,7 @@ class ExchangeState:
         make_variable: memory.VariableFactory,
         transport: Transport | None = None,
         step=None,
-        also_saved: Callable[[], list[tuple[str, Any, str, str]]] | None = None,
+        also_saved: Callable[[], list[Entry]] | None = None,
     ):
         self.transport = Transport() if transport is None else transport
         self.transport.check(pipeline)
@@ -65,15 +65,12 @@ class ExchangeState:
         self.bytes_sent = self.dense_bytes = None
         self.diagnostics = self.diagnostics_step = None
         self.diagnostics_every = 0
-        #: ``(key, variable, kind)`` of every variable made, in order (what checkpoints hold),
-        #: and what each key belongs to (for messages)
-        self.saved: list[tuple[str, Any, str]] = []
-        self.about: dict[str, str] = {}
+        #: every variable made, in order (what checkpoints hold)
+        self.saved: list[Entry] = []
         self._also_saved = also_saved or (lambda: [])
         #: the checkpoint entry of this state (front ends track it)
         self.checkpoint = ExchangeCheckpoint(
-            entries=self._checkpoint_entries,
-            about=lambda key: self.about.get(key, ""),
+            entries=lambda: self._also_saved() + self.saved,
             config=self._config,
             rows=self.transport.checkpoint_rows,
             built=lambda: self.built,
@@ -90,16 +87,8 @@ class ExchangeState:
         """A zero variable named ``name`` (``key`` by default), saved in checkpoints under
         ``key``; ``about`` names what it belongs to (a model variable's path) in messages."""
         variable = self._make(name or key, shape, dtype, kind)
-        self.saved.append((key, variable, kind))
-        self.about[key] = about
+        self.saved.append(Entry(key, variable, kind, about))
         return variable
-
-    def _checkpoint_entries(self) -> list[tuple[str, Any, str]]:
-        """The front end's variables, then the state's."""
-        front = self._also_saved()
-        for key, _, _, about in front:
-            self.about[key] = about
-        return [(key, v, kind) for key, v, kind, _ in front] + list(self.saved)
 
     def _config(self) -> dict:
         """The configuration a checkpoint records (compressor and options, as JSON values)."""

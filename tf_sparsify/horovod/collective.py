@@ -82,6 +82,7 @@ class HorovodCollective(Collective):
         self._after = after
         self._counter = counter
         self._stamp = stamp
+        self._packed_stamp: tf.Tensor | None = None
 
     def replica_id(self) -> tf.Tensor:
         return tf.constant(self._rank, tf.int32)
@@ -165,8 +166,8 @@ class HorovodCollective(Collective):
 
     def _gather_flat(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """Each tensor flattened, the ranks' concatenated (bfloat16 as its int16 bits)."""
+        self._count(tensors)
         flat = [tf.reshape(_wire(t), [-1]) for t in tensors]
-        self._count(flat)
         return list(hvd.grouped_allgather(flat, process_set=self._set))
 
     def _stacked(self, gathered: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
@@ -174,8 +175,8 @@ class HorovodCollective(Collective):
         return _unwire(tf.reshape(gathered, [self.num_replicas, *like.shape]), like.dtype)
 
     def _gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        self._count(tensors)
         wired = [_wire(t) for t in tensors]
-        self._count(wired)
         gathered = hvd.grouped_allgather(wired, process_set=self._set)
         return [_unwire(g, t.dtype) for g, t in zip(gathered, tensors, strict=True)]
 
@@ -189,7 +190,10 @@ class HorovodCollective(Collective):
         return [_from_bytes(p, t) for p, t in zip(parts, tensors, strict=True)]
 
     def _count(self, tensors: list[tf.Tensor]) -> None:
-        if self._counter is not None:
+        """Add the bytes of ``tensors`` to the counter (the plan fingerprint is not payload;
+        a bfloat16 tensor counts as its int16 bits, the same size)."""
+        tensors = [t for t in tensors if t is not self._packed_stamp]
+        if self._counter is not None and tensors:
             sizes = [tf.size(t, out_type=tf.int64) * t.dtype.size for t in tensors]
             self._counter.assign_add(tf.add_n(sizes))
 
@@ -203,10 +207,8 @@ class HorovodCollective(Collective):
             dtype = tf.uint8
         raw = tf.bitcast(self._stamp[0], tf.uint8)  # [fields, 8]
         packed = tf.bitcast(tf.reshape(raw, [-1, dtype.size]), dtype)
-        packed = tf.reshape(packed, [-1])
-        if self._counter is not None:  # the fingerprint is not payload
-            self._counter.assign_add(-tf.size(packed, out_type=tf.int64) * dtype.size)
-        return [*tensors, packed], dtype
+        self._packed_stamp = tf.reshape(packed, [-1])
+        return [*tensors, self._packed_stamp], dtype
 
     def _checked(self, out: list, dtype: tf.DType | None) -> list:
         """The gathered results, after every rank's fingerprint (the last one) was checked."""

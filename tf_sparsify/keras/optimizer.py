@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from tf_sparsify import replica_values
+from tf_sparsify.checkpointing import Entry
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor, deserialize
 from tf_sparsify.compressors.protocol import SparseUpdate
@@ -148,11 +149,11 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             return super()._trackable_children(save_type, **kwargs)
         return {"tf_sparsify_optimizer": self._state.checkpoint}
 
-    def _optimizer_entries(self) -> list[tuple[str, Any, str, str]]:
+    def _optimizer_entries(self) -> list[Entry]:
         """This wrapper's and the inner optimizer's variables, for the checkpoint entry."""
-        own = [(f"optimizer/{i}", v, "shared", v.path) for i, v in enumerate(self._variables)]
+        own = [Entry(f"optimizer/{i}", v, "shared", v.path) for i, v in enumerate(self._variables)]
         inner = [
-            (f"inner/{i}", v, "shared", v.path)
+            Entry(f"inner/{i}", v, "shared", v.path)
             for i, v in enumerate(self.inner_optimizer.variables)
         ]
         return own + inner
@@ -194,7 +195,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     @property
     def variables(self):
         """This wrapper's own variables, the exchange state's, then the inner optimizer's."""
-        state = [variable for _, variable, _ in self._state.saved]
+        state = [entry.variable for entry in self._state.saved]
         return self._variables + state + self.inner_optimizer.variables
 
     @property
