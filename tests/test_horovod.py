@@ -43,17 +43,22 @@ def _require_horovod() -> None:
 
 
 def horovodrun(
-    script: str, *args: str, timeout: int = TIMEOUT_S, ranks: int = 2, options: tuple = ()
+    script: str,
+    *args: str,
+    timeout: int = TIMEOUT_S,
+    ranks: int = 2,
+    options: tuple = (),
+    cwd: str = ROOT,
 ) -> tuple[int, str]:
-    """Run ``script`` on ``ranks`` ranks (``options``: more of horovodrun's); ``(exit code,
-    output)``. A run past ``timeout`` (a hang) is killed with everything it started, and the
-    test fails."""
+    """Run ``script`` on ``ranks`` ranks in ``cwd`` (``options``: more of horovodrun's);
+    ``(exit code, output)``. A run past ``timeout`` (a hang) is killed with everything it
+    started, and the test fails."""
     _require_horovod()
     command = [HOROVODRUN, "-np", str(ranks), *options, "--gloo", sys.executable, script, *args]
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.Popen(
         command,
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -394,3 +399,19 @@ def test_a_worker_that_comes_back_starts_from_zero(elastic):
     newcomer = next(r for r in back if r["host"] == "127.0.0.1")
     assert newcomer["residual"] == 0.0
     assert all(r["weights_equal"] for r in back)
+
+
+@pytest.fixture(scope="module")
+def sparse_rows() -> dict[str, dict[int, dict]]:
+    return _launch(os.path.join(WORKERS, "sparse_rows.py"))
+
+
+@pytest.mark.parametrize(
+    "check", ["identity_rows", "topk_rows_conserve", "embedding_fit", "sparse_on_one_rank"]
+)
+def test_sparse_gradients_travel_as_rows(sparse_rows, check):
+    """IndexedSlices under Horovod (tests/horovod_workers/sparse_rows.py): Identity's update
+    is every rank's rows, equal to the dense path; TopK over touched rows matches the NumPy
+    model and conserves; model.fit on an embedding keeps the ranks in step; a gradient sparse
+    on one rank and dense on the other is a named error."""
+    _passed(sparse_rows, check)

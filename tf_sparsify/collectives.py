@@ -24,6 +24,8 @@ class Collective:
 
     num_replicas: int = 1
     divisor: float = 1.0
+    #: whether :meth:`all_gather_rows` works (sparse gradients then travel as rows)
+    gathers_rows: bool = False
 
     def replica_id(self) -> tf.Tensor:
         return tf.constant(0, tf.int32)
@@ -66,6 +68,8 @@ def _no_sparse_exchange(collective: Collective, what: str) -> ValueError:
 class LocalCollective(Collective):
     """A single replica: nothing travels."""
 
+    gathers_rows = True
+
     def all_reduce_sum(self, tensors):
         return list(tensors)
 
@@ -93,6 +97,8 @@ class SimulatedWorkerCollective(LocalCollective):
 
 class ReplicaContextCollective(Collective):
     """tf.distribute: payloads travel through the current replica context."""
+
+    gathers_rows = True
 
     def __init__(self, context: tf.distribute.ReplicaContext):
         self.context = context
@@ -131,8 +137,53 @@ class ReplicaContextCollective(Collective):
             gathered = tf.split(self.context.all_gather(packed[None], axis=0), sizes, axis=1)
         return [_from_int32(g, t) for g, t in zip(gathered, tensors, strict=True)]
 
+    def all_gather_rows(self, tensors):
+        """Each tensor's rows from every replica, concatenated in replica order, with two
+        all-gathers for all ``tensors``: of each replica's word count, then of every tensor's
+        bytes packed into one int32 vector behind a prefix of their row counts, zero-padded to
+        the longest replica's (the replica context gathers equal shapes only)."""
+        if not tensors:
+            return []
+        counts = tf.stack([tf.shape(t, out_type=tf.int32)[0] for t in tensors])
+        packed = tf.concat([counts] + [_to_int32(t) for t in tensors], axis=0)
+        length = tf.shape(packed)[0]
+        longest = tf.reduce_max(self.context.all_gather(length[None], axis=0))
+        padded = tf.pad(packed, [[0, longest - length]])
+        gathered = self.context.all_gather(padded[None], axis=0)
+        parts: list[list[tf.Tensor]] = [[] for _ in tensors]
+        for replica in range(self.num_replicas):
+            row = gathered[replica]
+            offset = len(tensors)
+            for i, t in enumerate(tensors):
+                count = row[i]
+                words = _words_for(count, t)
+                parts[i].append(_rows_from_int32(row[offset : offset + words], count, t))
+                offset += words
+        return [tf.concat(p, axis=0) for p in parts]
+
 
 _REDUCIBLE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _words_for(rows: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """The int32 words :func:`_to_int32` makes of ``rows`` rows of a tensor like ``like``."""
+    row_bytes = like.shape[1:].num_elements() * like.dtype.size
+    return (rows * row_bytes + 3) // 4
+
+
+def _rows_from_int32(words: tf.Tensor, rows: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """Inverse of :func:`_to_int32` for ``rows`` rows of a tensor like ``like``."""
+    shape = tf.concat([[rows], tf.constant(like.shape[1:].as_list(), tf.int32)], axis=0)
+    size = like.dtype.size
+    if size % 4 == 0:
+        values = tf.reshape(words, [-1, size // 4])
+        values = tf.bitcast(values, like.dtype) if size > 4 else tf.bitcast(words, like.dtype)
+        return tf.reshape(values, shape)
+    raw = tf.reshape(tf.bitcast(words, tf.uint8), [-1])
+    elements = rows * like.shape[1:].num_elements()
+    raw = tf.reshape(raw[: elements * size], [-1, size])
+    values = tf.bitcast(raw, like.dtype) if size > 1 else tf.bitcast(raw[..., 0], like.dtype)
+    return tf.reshape(values, shape)
 
 
 def _to_int32(t: tf.Tensor) -> tf.Tensor:

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import tensorflow as tf
 
+from tf_sparsify import replica_values
+
 if TYPE_CHECKING:
     from tf_sparsify.compressors.base import Compressor, Context, Payload
 
@@ -125,13 +127,17 @@ def mark_if_kept_non_finite(payload: Payload, after: UnitMemory) -> Payload:
 
 def store_if_finite(pairs: Sequence[tuple[Any, tf.Tensor]], finite: tf.Tensor) -> None:
     """Assign each ``(variable, new value)`` pair only when ``finite`` (the step was finite on
-    every replica): a bad step leaves the memory as it was."""
+    every replica): a bad step leaves the memory as it was. A value given as
+    ``tf.IndexedSlices`` writes only its rows (a sparse gradient's touched rows)."""
     if not pairs:
         return
 
     def store() -> tf.Tensor:
         for variable, value in pairs:
-            variable.assign(value)
+            if isinstance(value, tf.IndexedSlices):
+                replica_values.write_rows(variable, value)
+            else:
+                variable.assign(value)
         return tf.constant(True)
 
     tf.cond(finite, store, lambda: tf.constant(False))

@@ -31,8 +31,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify import memory
+from tf_sparsify import memory, sparse_rows
 from tf_sparsify.collectives import Collective
+from tf_sparsify.compressors import topk_bucket
 from tf_sparsify.compressors.base import (
     Codec,
     Compressor,
@@ -92,6 +93,22 @@ class Unit:
         return self.num_elements * dtype_bytes(self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedUnit(Unit):
+    """One-variable TopK units of a bucket sent as one packed payload
+    (:mod:`tf_sparsify.compressors.topk_bucket`); their bytes are those of its ``parts``."""
+
+    parts: tuple[Unit, ...] = ()
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(u.wire_bytes for u in self.parts)
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(u.dense_bytes for u in self.parts)
+
+
 @dataclasses.dataclass
 class Message:
     """One unit's trip through a step; each stage fills in its part."""
@@ -128,7 +145,7 @@ class StepResult:
     stats: tf.Tensor | None = None
     #: ``(wire bytes, dense bytes)`` this replica sent in the step (only variables with a
     #: gradient travel).
-    sent_bytes: tuple[int, int] = (0, 0)
+    sent_bytes: tuple[int | tf.Tensor, int] = (0, 0)
     #: each planned unit's new compressor state (``None`` where none was sent)
     states: list[tuple[tf.Tensor, ...] | None] | None = None
 
@@ -270,9 +287,11 @@ class GradientPipeline:
                 "compile: compile the Keras model with `jit_compile=False` and do not use "
                 "tf.function(jit_compile=True) around the exchange."
             )
-        grads = self.prepare(grads, collective)
+        rows = self._keeps_rows(units, grads, collective, measure is not None, per_replica)
+        grads = self.prepare(grads, collective, rows)
         replicas = Replicas(collective.num_replicas, collective.replica_id(), collective.divisor)
         buckets: dict[int, list[Message]] = {}
+        packed: dict[tuple[int, tf.DType], list[tuple[Unit, UnitMemory]]] = {}
         for index, unit in enumerate(units):
             sent = _with_gradients(unit, grads)
             if sent is not None:
@@ -281,10 +300,21 @@ class GradientPipeline:
                     _joined(momenta, sent.indices) if self.momentum_correction > 0 else None,
                     () if states is None else tuple(states[index]),
                 )
-                message = self.compress(
-                    sent, grads, before, iteration, replicas, per_replica, sparse_updates
-                )
+                if measure is None and not per_replica and self._packs(sent, grads, before):
+                    buckets.setdefault(unit.bucket, [])
+                    packed.setdefault((unit.bucket, sent.dtype), []).append((sent, before))
+                    continue
+                if isinstance(grads[sent.indices[0]], tf.IndexedSlices):
+                    message = self.compress_rows(sent, grads, before, replicas)
+                else:
+                    message = self.compress(
+                        sent, grads, before, iteration, replicas, per_replica, sparse_updates
+                    )
                 buckets.setdefault(unit.bucket, []).append(message)
+        for (bucket, _), group in packed.items():
+            buckets[bucket].append(
+                self.compress_packed(group, grads, iteration, replicas, sparse_updates)
+            )
         finite = [self.exchange(bucket, collective) for bucket in buckets.values()]
         messages = [m for bucket in buckets.values() for m in bucket]
         per_variable = _per_variable(messages, len(grads), per_replica)
@@ -296,7 +326,7 @@ class GradientPipeline:
             stats=None
             if measure is None
             else self.measure(units, messages, measure, iteration, replicas.replica_id),
-            sent_bytes=bytes_per_step([m.unit for m in messages]),
+            sent_bytes=_sent_bytes(messages),
             states=[
                 next(
                     (m.after.compressor_state for m in messages if m.unit.indices == u.indices),
@@ -306,12 +336,46 @@ class GradientPipeline:
             ],
         )
 
+    def _keeps_rows(
+        self,
+        units: Sequence[Unit],
+        grads: Sequence[tf.Tensor | None],
+        collective: Collective,
+        measured: bool,
+        per_replica: bool,
+    ) -> frozenset[int]:
+        """The variables whose ``IndexedSlices`` gradient travels as rows
+        (:func:`tf_sparsify.sparse_rows.keeps_rows`; one-variable units only; none under XLA,
+        which cannot compile row counts that depend on the data)."""
+        if not collective.gathers_rows or in_xla_context():
+            return frozenset()
+        return frozenset(
+            u.indices[0]
+            for u in units
+            if len(u.indices) == 1
+            and isinstance(grads[u.indices[0]], tf.IndexedSlices)
+            and sparse_rows.keeps_rows(
+                u.compressor,
+                self.momentum_correction > 0,
+                self.local_clipnorm is not None,
+                measured,
+                per_replica,
+            )
+        )
+
     def prepare(
-        self, grads: Sequence[tf.Tensor | None], collective: Collective
+        self,
+        grads: Sequence[tf.Tensor | None],
+        collective: Collective,
+        rows: frozenset[int] = frozenset(),
     ) -> list[tf.Tensor | None]:
-        """Dense gradients (IndexedSlices from embeddings are densified: the residual is dense
-        anyway), clipped by their local norm when ``local_clipnorm`` is set."""
-        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        """Dense gradients, except the ``IndexedSlices`` of the variables in ``rows`` (they
+        travel as rows, :mod:`tf_sparsify.sparse_rows`; others are densified), clipped by
+        their local norm when ``local_clipnorm`` is set."""
+        grads = [
+            None if g is None else g if i in rows else tf.convert_to_tensor(g)
+            for i, g in enumerate(grads)
+        ]
         if self.local_clipnorm is None:
             return grads
         return clipping.clip_by_local_norm(
@@ -348,6 +412,64 @@ class GradientPipeline:
         return Message(
             unit, g, x, before, opening.payload, opening.ctx, opening.protocol, opening.after
         )
+
+    def compress_rows(
+        self,
+        unit: Unit,
+        grads: Sequence[tf.Tensor | tf.IndexedSlices | None],
+        before: UnitMemory,
+        replicas: Replicas,
+    ) -> Message:
+        """The touched rows of a one-variable unit's ``IndexedSlices`` gradient, compressed with
+        their residual (:mod:`tf_sparsify.sparse_rows`)."""
+        g = grads[unit.indices[0]]
+        opening = sparse_rows.start(unit.compressor, g, unit.shape, before, replicas)
+        return Message(
+            unit, g, g, before, opening.payload, opening.ctx, opening.protocol, opening.after
+        )
+
+    def _packs(self, unit: Unit, grads: Sequence, before: UnitMemory) -> bool:
+        """Whether ``unit`` travels in its bucket's packed TopK payload: one dense variable
+        with error feedback, no momentum correction, no compressor state, no XLA."""
+        return (
+            unit.error_feedback
+            and len(unit.shapes) == 1
+            and before.momentum is None
+            and not before.compressor_state
+            and not isinstance(grads[unit.indices[0]], tf.IndexedSlices)
+            and not in_xla_context()
+            and topk_bucket.packs(unit.compressor, unit.dtype)
+        )
+
+    def compress_packed(
+        self,
+        group: list[tuple[Unit, UnitMemory]],
+        grads: Sequence[tf.Tensor | None],
+        iteration: tf.Tensor,
+        replicas: Replicas,
+        sparse_updates: bool,
+    ) -> Message:
+        """One message for a bucket's packable units (:meth:`_packs`): compressed together
+        when there are several, as :meth:`compress` when alone."""
+        if len(group) == 1:
+            unit, before = group[0]
+            return self.compress(unit, grads, before, iteration, replicas, False, sparse_updates)
+        units = [u for u, _ in group]
+        tensors = tuple(grads[u.indices[0]] for u in units)
+        payload, rounds, after = topk_bucket.start(
+            units, tensors, [b.residual for _, b in group], replicas, sparse_updates
+        )
+        unit = PackedUnit(
+            tuple(u.indices[0] for u in units),
+            tuple(u.shapes[0] for u in units),
+            units[0].dtype,
+            units[0].compressor,
+            True,
+            units[0].bucket,
+            tuple(units),
+        )
+        before = UnitMemory([b.residual for _, b in group])
+        return Message(unit, tensors, tensors, before, payload, None, rounds, after)
 
     def exchange(self, bucket: list[Message], collective: Collective) -> tf.Tensor:
         """Drive the bucket's protocols in lockstep: each round, one collective call per kind
@@ -426,6 +548,17 @@ class GradientPipeline:
 def bytes_per_step(units: Sequence[Unit]) -> tuple[int, int]:
     """``(wire bytes, dense bytes)`` one replica sends per step for these messages."""
     return sum(u.wire_bytes for u in units), sum(u.dense_bytes for u in units)
+
+
+def _sent_bytes(messages: Sequence[Message]) -> tuple[int | tf.Tensor, int]:
+    """``(wire bytes, dense bytes)`` this replica sent in a step; a unit sent as rows counts
+    the bytes of its payload (they depend on the rows touched)."""
+    as_rows = [m for m in messages if isinstance(m.grad, tf.IndexedSlices)]
+    planned = [m.unit for m in messages if not isinstance(m.grad, tf.IndexedSlices)]
+    measured = [sparse_rows.wire_bytes(m.payload) for m in as_rows]
+    wire = bytes_per_step(planned)[0]
+    dense = bytes_per_step([m.unit for m in messages])[1]
+    return (wire + tf.add_n(measured) if measured else wire), dense
 
 
 def _with_gradients(unit: Unit, grads: Sequence[tf.Tensor | None]) -> Unit | None:
@@ -509,7 +642,10 @@ def _join(tensors: list[tf.Tensor]) -> tf.Tensor:
 def _split(
     tensor: tf.Tensor, shapes: tuple[tf.TensorShape, ...], leading: int = 0
 ) -> list[tf.Tensor]:
-    """Inverse of :func:`_join`, on the axes after the first ``leading`` ones."""
+    """Inverse of :func:`_join`, on the axes after the first ``leading`` ones (a list, a
+    packed message's tensors, is already split)."""
+    if isinstance(tensor, list):
+        return tensor
     if len(shapes) == 1:
         return [tensor]
     parts = tf.split(tensor, [s.num_elements() for s in shapes], axis=leading)

@@ -38,6 +38,16 @@ def _replica_parts(variable) -> tuple | None:
     return tuple(value.distribute_strategy.experimental_local_results(value))
 
 
+def write_rows(variable, rows: tf.IndexedSlices) -> None:
+    """Write ``rows`` into this replica's value of ``variable``; its other rows stay as they
+    are (a per-replica variable's component for the current replica: TF's sync-on-read
+    variables take no scatter themselves)."""
+    value = variable if isinstance(variable, tf.Variable) else _distributed(variable)
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = value._get_on_device_or_primary()  # TF private: this replica's component
+    value.scatter_update(rows)
+
+
 def is_per_replica(variable) -> bool:
     """Whether each replica this process holds keeps its own value of ``variable``."""
     return _replica_parts(variable) is not None

@@ -101,8 +101,8 @@ class ExchangeState:
 
     def collective(self, grads: Sequence | None = None) -> Collective:
         """The transport's collective for a step on ``grads`` (``None``: every variable has
-        a gradient)."""
-        present = None if grads is None else tuple(g is not None for g in grads)
+        a dense gradient)."""
+        present = None if grads is None else tuple(gradient_kind(g) for g in grads)
         return self.transport.collective(self.pipeline, self.units, present)
 
     # -- state --------------------------------------------------------------------------------
@@ -368,6 +368,14 @@ class StateViews:
     def diagnostics_names(self) -> tuple[str, ...]:
         """The name of each planned message: the variable's path, or ``global_<dtype>``."""
         return self._state.names
+
+
+def gradient_kind(grad) -> bool | str:
+    """What a transport's ``present`` holds for a gradient: ``False`` (none), ``True`` (dense)
+    or ``"rows"`` (``tf.IndexedSlices``, which may travel as rows)."""
+    if grad is None:
+        return False
+    return "rows" if isinstance(grad, tf.IndexedSlices) else True
 
 
 def _leaf(name: str) -> str:

@@ -54,7 +54,9 @@ class Transport:
         present: Sequence[bool] | None = None,
     ) -> Collective:
         """The collective of one step that runs ``pipeline`` on ``units``; ``present`` says
-        which variables have a gradient in this step (``None``: all)."""
+        which variables have a gradient in this step (``None``: all): per variable ``False``,
+        ``True``, or ``"rows"`` for an ``IndexedSlices`` gradient (which may travel as rows,
+        :mod:`tf_sparsify.sparse_rows`)."""
         del pipeline, units, present
         return current_collective()
 

@@ -220,6 +220,13 @@ class Codec(Compressor):
             total = part if total is None else total + part
         return total
 
+    def decompress_scaled(
+        self, summed: Payload, ctx: Context, divisor: float
+    ) -> tuple[tf.Tensor, tuple[tf.Tensor, ...]]:
+        """``decompress(summed, ctx) / divisor`` for a payload summed over replicas, and the
+        tensors the pipeline checks to agree on a bad step (by default the payload itself)."""
+        return protocol.scaled(self.decompress(summed, ctx), divisor), summed
+
     def gathered_entries(self, gathered: Payload, ctx: Context) -> tuple[tf.Tensor, tf.Tensor]:
         """``(values, indices)``, both ``[replicas, k]``, of payloads gathered as for
         :meth:`decompress_sum` (``sends_entries`` compressors): values in ``ctx.dtype``, each

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_sparsify import ops
 from tf_sparsify.compressors.base import Codec, Context, Payload, dtype_bytes
+from tf_sparsify.ops.pure_tf import saturating_cast
+
+__all__ = ["BF16", "FP16", "Identity", "saturating_cast"]
 
 
 class Identity(Codec):
@@ -38,8 +42,11 @@ class _Cast(Codec):
 
     Finite values beyond the wire type's range saturate to its largest finite value instead of
     becoming Inf (with error feedback, the default, the excess stays in the residual); Inf and
-    NaN pass as they are. Tensors already 16-bit travel as they are.
+    NaN pass as they are. Tensors already 16-bit travel as they are. float32 tensors are cast,
+    with their error feedback, in one pass (:func:`tf_sparsify.ops.saturating_cast_feedback`).
     """
+
+    fuses_feedback = True
 
     unbiased = False
     summable = True
@@ -61,13 +68,33 @@ class _Cast(Codec):
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         return num_elements * min(self.wire_dtype.size, dtype_bytes(dtype))
 
+    def compress_compensated(self, tensor, residual, step=None, tensor_id=0, replica_id=0):
+        """``(payload, ctx, acc - decompress(payload))`` for ``acc = tensor + residual``, the
+        cast and its error in one pass."""
+        tensor, ctx = self._context(tensor, step, tensor_id)
+        if tensor.dtype.size <= self.wire_dtype.size:
+            acc = tensor + residual
+            return (acc,), ctx, acc - self._decompress((acc,), ctx)
+        wire, remainder = ops.saturating_cast_feedback(tensor, residual, self.wire_dtype)
+        return (wire,), ctx, remainder
+
     def _compress(self, tensor, ctx, replica_id) -> Payload:
         if tensor.dtype.size <= self.wire_dtype.size:
             return (tensor,)
-        return (saturating_cast(tensor, self.wire_dtype),)
+        return (ops.saturating_cast_feedback(tensor, None, self.wire_dtype)[0],)
 
     def _decompress(self, payload: Payload, ctx: Context) -> tf.Tensor:
         return tf.cast(payload[0], ctx.dtype)
+
+    def decompress_scaled(self, summed, ctx, divisor):
+        """float32 from a 16-bit wire: the division and the finiteness check in the same pass
+        (:func:`tf_sparsify.ops.wire_to_float`); the pipeline then checks a scalar, NaN when
+        the wire was not finite."""
+        wire = summed[0]
+        if ctx.dtype != tf.float32 or wire.dtype == ctx.dtype:
+            return super().decompress_scaled(summed, ctx, divisor)
+        update, finite = ops.wire_to_float(wire, 1.0 / divisor)
+        return update, (tf.where(finite, 0.0, float("nan")),)
 
 
 class FP16(_Cast):
@@ -82,11 +109,3 @@ class BF16(_Cast):
 
     wire_dtype = tf.bfloat16
     unit_roundoff = 2.0**-8
-
-
-def saturating_cast(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    """``tensor`` rounded to ``dtype``; finite values beyond its range become its largest finite
-    value (not Inf), Inf and NaN stay as they are."""
-    biggest = dtype.max
-    saturated = tf.clip_by_value(tensor, -biggest, biggest)  # NaN stays NaN
-    return tf.cast(tf.where(tf.math.is_inf(tensor), tensor, saturated), dtype)

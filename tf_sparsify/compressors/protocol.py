@@ -104,7 +104,8 @@ def one_round(codec, payload, ctx, replicas: Replicas, per_replica: bool) -> Pro
             [codec.decompress(tuple(t[r] for t in received), ctx) for r in range(replicas.count)]
         )
     elif summed:
-        total = codec.decompress(received, ctx)
+        update, shared = codec.decompress_scaled(received, ctx, replicas.divisor)
+        return Outcome(update, shared=shared)
     else:
         total = codec.decompress_sum(received, ctx, replicas.count)
     return Outcome(scaled(total, replicas.divisor), shared=received)

@@ -25,6 +25,7 @@ FIELDS = (
     "pipeline options",
     "variable shapes and dtypes",
     "variables without a gradient",
+    "variables with sparse gradients",
     "messages",
 )
 
@@ -33,15 +34,20 @@ def plan_fields(
     pipeline: GradientPipeline,
     units: Sequence[Unit],
     ranks_per_node: int | None = None,
-    present: Sequence[bool] | None = None,
+    present: Sequence[bool | str] | None = None,
 ) -> list[tuple[str, str]]:
     """``(field, description)`` pairs of a plan, aligned with :data:`FIELDS`
     (``ranks_per_node``: the hierarchical exchange's, ``None`` for the flat one; ``present``:
-    which variables have a gradient in the step, ``None`` for all).
+    which variables have a gradient in the step, ``None`` for all; ``"rows"`` marks an
+    ``IndexedSlices`` gradient).
 
     A variable's payload travels only from ranks that have its gradient, so ranks that differ
-    in which gradients are ``None`` would wait for each other forever: they fail here."""
+    in which gradients are ``None`` would wait for each other forever: they fail here. So do
+    ranks where one variable's gradient is sparse on some and dense on others (their payloads
+    travel by different collectives). How many rows a sparse gradient touches is not part of
+    the plan: it differs by step and rank, and its all-gather takes any row count."""
     missing = [] if present is None else [i for i, p in enumerate(present) if not p]
+    sparse = [] if present is None else [i for i, p in enumerate(present) if p == "rows"]
     options = {k: v for k, v in pipeline.get_config().items() if k != "compressor"}
     variables = sorted(
         (i, s.as_list(), u.dtype.name)
@@ -60,6 +66,7 @@ def plan_fields(
                 repr(dict(sorted(options.items()))),
                 ", ".join(f"{dtype}{shape}" for _, shape, dtype in variables),
                 f"variables {missing}" if missing else "none",
+                f"variables {sparse}" if sparse else "none",
                 repr(messages),
             ),
             strict=True,

@@ -66,6 +66,8 @@ class HorovodCollective(Collective):
             plans drifted apart later (``set_compressor`` on one rank) fail alike, by name.
     """
 
+    gathers_rows = True
+
     def __init__(
         self,
         after: tf.Tensor | None = None,

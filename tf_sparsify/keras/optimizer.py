@@ -41,7 +41,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             rate, schedule, clipping, weight decay, EMA, accumulation and loss scale factor
             work as usual and act on that update).
         compressor: a :class:`~tf_sparsify.compressors.Compressor`.
-        **options: how gradients are exchanged: the fields of
+        **kwargs: how gradients are exchanged: the fields of
             :class:`~tf_sparsify.options.ExchangeOptions` (``error_feedback``, ``scope``,
             ``min_size``, ``skip_1d``, ``momentum_correction``, ``local_clipnorm``,
             ``bucket_bytes``). With ``momentum_correction`` momentum happens on each replica
@@ -400,7 +400,10 @@ def _dynamic_loss_scale(optimizer) -> tf.Tensor | None:
     return None
 
 
-def _times(tensor, factor: tf.Tensor) -> tf.Tensor:
+def _times(tensor, factor: tf.Tensor) -> tf.Tensor | tf.IndexedSlices:
+    """``tensor * factor``; ``IndexedSlices`` stay sparse."""
+    if isinstance(tensor, tf.IndexedSlices):
+        return tf.IndexedSlices(_times(tensor.values, factor), tensor.indices, tensor.dense_shape)
     tensor = tf.convert_to_tensor(tensor)
     return tensor * tf.cast(factor, tensor.dtype)
 

@@ -1,5 +1,6 @@
 """Custom ops: fused TopK with error feedback, QSGD quantization, a dense scatter-sum, the
-Elias-Fano code of TopK's indices and a plain SGD step from sparse updates.
+Elias-Fano code of TopK's indices, a plain SGD step from sparse updates and a 16-bit cast with
+error feedback.
 
 Each function runs the compiled kernels (built by ``python -m tf_sparsify.ops.build``, loaded by
 :mod:`tf_sparsify.ops.library`) when they load, and otherwise the pure-TF reference in
@@ -48,14 +49,20 @@ __all__ = [
     "is_compiled",
     "qsgd_dequantize",
     "qsgd_quantize",
+    "saturating_cast_feedback",
     "scatter_sum",
     "sparse_sgd_apply",
     "topk_error_feedback",
+    "topk_error_feedback_packed",
+    "encode_indices_packed",
+    "decode_indices_packed",
+    "packed_decompress_sum",
 ]
 
 REQUIRE_ENV = "TF_SPARSIFY_REQUIRE_OPS"
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 INDEX_DTYPES = (tf.int32, tf.int64)
+WIRE_DTYPES = (tf.float16, tf.bfloat16)
 MAX_LEVELS = 32767
 GPU_MAX_ELEMENTS = 2**31 - 1
 
@@ -112,6 +119,7 @@ class OpsInfo:
     cuda_driver: str | None = None
     gpu_kernels: bool = False
     gpu_reason: str | None = None
+    origin: str | None = None
 
     def __str__(self) -> str:
         if not self.compiled:
@@ -119,7 +127,10 @@ class OpsInfo:
                 f"tf_sparsify ops: compiled kernels NOT loaded ({self.reason});\n"
                 "  every op runs the pure-TF reference (tf_sparsify.ops.pure_tf)"
             )
-        lines = [f"tf_sparsify ops: compiled kernels loaded from {self.library}"]
+        lines = [
+            f"tf_sparsify ops: compiled kernels loaded from {self.library}",
+            f"  origin: {self.origin}",
+        ]
         lines += [f"  {op}: {', '.join(devs) or 'no kernels'}" for op, devs in self.kernels.items()]
         driver = f"CUDA {self.cuda_driver}" if self.cuda_driver else "none found"
         if self.cuda_built:
@@ -162,6 +173,7 @@ def info() -> OpsInfo:
         cuda_driver=format_cuda(lib.driver) if lib.driver else None,
         gpu_kernels=lib.gpu_loaded,
         gpu_reason=lib.gpu_reason,
+        origin=f"{library.origin(build)} for TensorFlow {build.get('tensorflow')}",
     )
 
 
@@ -249,6 +261,140 @@ def topk_error_feedback(
         with tf.device("/device:CPU:0"):
             return tuple(ops.top_k_error_feedback(grad, residual, k, index_type=index_type))
     return tuple(ops.top_k_error_feedback(grad, residual, k, index_type=index_type))
+
+
+def topk_error_feedback_packed(
+    grads: list[tf.Tensor], residuals: list[tf.Tensor], ks: list[int]
+) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+    """:func:`topk_error_feedback` of several tensors of one dtype in one op, tensor ``i``
+    with its own ``ks[i]``: ``(values, indices, new_residuals)``, the values and the indices
+    (flat within their own tensor) of the tensors concatenated in order; the same bits as one
+    op per tensor. Shapes must be static; indices are int32, int64 when a tensor has ``2**31``
+    elements or more."""
+    grads = [tf.convert_to_tensor(g) for g in grads]
+    residuals = [tf.convert_to_tensor(r) for r in residuals]
+    if not grads or len(residuals) != len(grads) or len(ks) != len(grads):
+        raise _invalid(
+            f"need as many residuals and ks as grads (at least one); got {len(grads)} grads, "
+            f"{len(residuals)} residuals, {len(ks)} ks"
+        )
+    sizes = []
+    for i, (g, r) in enumerate(zip(grads, residuals, strict=True)):
+        _check_float(f"grads[{i}]", g.dtype)
+        if g.dtype != grads[0].dtype or r.dtype != g.dtype:
+            raise _invalid(
+                f"grads and residuals must share one dtype ({grads[0].dtype.name}); "
+                f"grads[{i}] is {g.dtype.name}, residuals[{i}] is {r.dtype.name}"
+            )
+        if not g.shape.is_fully_defined() or g.shape != r.shape:
+            raise _invalid(
+                f"residuals[{i}] must have grads[{i}]'s static shape {g.shape}, got {r.shape}"
+            )
+        sizes.append(g.shape.num_elements())
+    ks = [_check_k(k, n) for k, n in zip(ks, sizes, strict=True)]
+    index_type = pure_tf.index_dtype(max(sizes))
+    compiled = _compiled()
+    if compiled is None:
+        parts = [
+            pure_tf.topk_error_feedback(g, r, k, index_type)
+            for g, r, k in zip(grads, residuals, ks, strict=True)
+        ]
+        return (
+            tf.concat([p[0] for p in parts], 0),
+            tf.concat([p[1] for p in parts], 0),
+            [p[2] for p in parts],
+        )
+    values, indices, new_residuals = compiled.top_k_error_feedback_packed(
+        grads, residuals, ks=ks, index_type=index_type
+    )
+    return values, indices, list(new_residuals)
+
+
+def encode_indices_packed(indices: tf.Tensor, sizes: list[tuple[int, int]]) -> tf.Tensor:
+    """:func:`encode_indices` of consecutive segments of ``indices``, segment ``i`` holding
+    ``k`` ascending indices below ``n`` for ``(n, k) = sizes[i]``; the codes concatenated."""
+    indices = tf.convert_to_tensor(indices)
+    if indices.dtype not in INDEX_DTYPES or indices.shape.rank != 1:
+        raise _invalid(
+            f"indices must be an int32/int64 vector, got {indices.dtype.name} "
+            f"of shape {indices.shape}"
+        )
+    compiled = _compiled()
+    if compiled is None:
+        parts = tf.split(indices, [k for _, k in sizes]) if sizes else []
+        return tf.concat(
+            [index_code.reference_encode(p, n) for p, (n, _) in zip(parts, sizes, strict=True)],
+            0,
+        )
+    return compiled.index_code_encode_packed(
+        indices,
+        num_elements=[n for n, _ in sizes],
+        ks=[k for _, k in sizes],
+        low_bits=[index_code.low_bits_for(n, k) for n, k in sizes],
+    )
+
+
+def decode_indices_packed(code: tf.Tensor, sizes: list[tuple[int, int]]) -> tf.Tensor:
+    """Inverse of :func:`encode_indices_packed`, row by row: ``code [replicas, bytes]`` gives
+    the ``[replicas, sum(k)]`` indices, each segment's flat within its own tensor (int32, int64
+    when a segment has ``2**31`` elements or more)."""
+    code = tf.convert_to_tensor(code)
+    index_type = pure_tf.index_dtype(max((n for n, _ in sizes), default=0))
+    compiled = _compiled()
+    if compiled is None:
+        code_bytes = [index_code.index_code_bytes(n, k) for n, k in sizes]
+        parts = tf.split(code, code_bytes, axis=1)
+        return tf.concat(
+            [decode_indices(c, n, k, index_type) for c, (n, k) in zip(parts, sizes, strict=True)],
+            1,
+        )
+    return compiled.index_code_decode_packed(
+        code,
+        num_elements=[n for n, _ in sizes],
+        ks=[k for _, k in sizes],
+        low_bits=[index_code.low_bits_for(n, k) for n, k in sizes],
+        index_type=index_type,
+    )
+
+
+def packed_decompress_sum(
+    values: tf.Tensor,
+    code: tf.Tensor,
+    shapes: list[tf.TensorShape],
+    ks: list[int],
+    scale: float,
+) -> list[tf.Tensor]:
+    """The dense sums of gathered packed TopK payloads (``values [replicas, sum(ks)]``,
+    ``code [replicas, bytes]`` from :func:`encode_indices_packed`), one tensor of each of
+    ``shapes``, times ``scale`` (rounded once to the values' dtype): the same bits as decoding
+    each segment, :func:`scatter_sum` of its rows and multiplying by ``scale``."""
+    values = tf.convert_to_tensor(values)
+    code = tf.convert_to_tensor(code)
+    shapes = [tf.TensorShape(s) for s in shapes]
+    ns = [s.num_elements() for s in shapes]
+    scale_t = tf.constant(scale, values.dtype)
+    compiled = _compiled()
+    if compiled is None:
+        code_bytes = [index_code.index_code_bytes(n, k) for n, k in zip(ns, ks, strict=True)]
+        value_parts = tf.split(values, ks, axis=1)
+        code_parts = tf.split(code, code_bytes, axis=1)
+        out = []
+        for v, c, n, k, shape in zip(value_parts, code_parts, ns, ks, shapes, strict=True):
+            idx = decode_indices(c, n, k)
+            dense = pure_tf.scatter_sum(tf.reshape(v, [-1]), tf.reshape(idx, [-1]), n)
+            out.append(tf.reshape(dense * scale_t if scale != 1 else dense, shape))
+        return out
+    return list(
+        compiled.packed_decompress_sum(
+            values,
+            code,
+            scale_t,
+            N=len(shapes),
+            shapes=shapes,
+            ks=ks,
+            low_bits=[index_code.low_bits_for(n, k) for n, k in zip(ns, ks, strict=True)],
+        )
+    )
 
 
 def _check_qsgd_attrs(levels: Any, bucket_size: Any) -> tuple[int, int]:
@@ -492,3 +638,74 @@ def sparse_sgd_apply(
         pure_tf.sparse_sgd_apply(variable, values, indices, scale, learning_rate)
         return
     ops.sparse_sgd_apply(handle, values, indices, scale, learning_rate)
+
+
+def _runs_on_cpu(tensor: tf.Tensor) -> bool:
+    """Whether ``tensor`` is (or, placed by TensorFlow, will be) on a CPU: its device when
+    known, else whether TensorFlow sees no GPU."""
+    device = getattr(tensor, "device", "") or ""
+    if device:
+        return "CPU" in device.upper()
+    return not tf.config.list_logical_devices("GPU")
+
+
+def saturating_cast_feedback(
+    grad: tf.Tensor,
+    residual: tf.Tensor | None,
+    wire_dtype: tf.DType,
+    portable: bool = False,
+) -> tuple[tf.Tensor, tf.Tensor | None]:
+    """``(wire, new_residual)`` in one pass: ``v = grad + residual`` (``grad`` alone when
+    ``residual`` is None), ``wire`` = ``v`` in ``wire_dtype`` (float16 or bfloat16), rounded to
+    nearest even, finite values beyond its range saturated to its largest finite value, Inf
+    kept, NaN as ``tf.cast`` gives it; ``new_residual = v - float(wire)`` (None without a
+    residual). Denormals: see the module docstring.
+
+    ``grad`` and ``residual`` are float32 or float64 of one shape. The CPU kernel takes float32
+    (F16C or AVX512-BF16 where the CPU has them; ``portable=True``, for tests, forces its
+    portable path, which gives the same bits); float64, tensors on a GPU (or, when the device
+    is not known yet, any tensor while TensorFlow sees a GPU) and XLA run the pure-TF
+    reference.
+    """
+    grad = tf.convert_to_tensor(grad)
+    if grad.dtype not in (tf.float32, tf.float64):
+        raise _invalid(f"grad must be float32 or float64, got {grad.dtype.name}")
+    wire_dtype = tf.as_dtype(wire_dtype)
+    if wire_dtype not in WIRE_DTYPES:
+        raise _invalid(f"wire_dtype must be float16 or bfloat16, got {wire_dtype.name}")
+    if residual is not None:
+        residual = tf.convert_to_tensor(residual)
+        if residual.dtype != grad.dtype:
+            raise _invalid(
+                f"residual must have grad's dtype {grad.dtype.name}, got {residual.dtype.name}"
+            )
+        if not grad.shape.is_compatible_with(residual.shape):
+            raise _invalid(f"residual must have grad's shape {grad.shape}, got {residual.shape}")
+    ops = _compiled() if grad.dtype == tf.float32 and _runs_on_cpu(grad) else None
+    if ops is None:
+        return pure_tf.saturating_cast_feedback(grad, residual, wire_dtype)
+    residuals = [] if residual is None else [residual]
+    wire, new = ops.saturating_cast_feedback(
+        grad, residuals, wire_type=wire_dtype, portable=portable
+    )
+    return wire, (new[0] if new else None)
+
+
+def wire_to_float(
+    wire: tf.Tensor, scale: float | tf.Tensor = 1.0, portable: bool = False
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(float32(wire) * scale, whether every entry of wire is finite)`` in one pass: the
+    decoder of :func:`saturating_cast_feedback`'s wire (float16 or bfloat16), with the check
+    the pipeline runs on received payloads. Denormal inputs and products flush to zero (see the
+    module docstring). CPU kernel (``portable`` as in :func:`saturating_cast_feedback`); on a
+    GPU and under XLA the pure-TF reference."""
+    wire = tf.convert_to_tensor(wire)
+    if wire.dtype not in WIRE_DTYPES:
+        raise _invalid(f"wire must be float16 or bfloat16, got {wire.dtype.name}")
+    scale = _scalar(scale, tf.float32)
+    if scale.shape.rank not in (None, 0):
+        raise _invalid(f"scale must be a scalar, got shape {scale.shape}")
+    ops = _compiled() if _runs_on_cpu(wire) else None
+    if ops is None:
+        return pure_tf.wire_to_float(wire, scale)
+    return tuple(ops.wire_to_float(wire, scale, portable=portable))

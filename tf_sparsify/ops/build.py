@@ -6,7 +6,8 @@ with the flags of the TensorFlow in this interpreter, into the folder chosen by
 :mod:`tf_sparsify.ops.paths` (the package's ``lib/`` when writable, else a per-user cache):
 ``_tf_sparsify_ops.so`` (the ops and their CPU kernels), ``_tf_sparsify_ops_gpu.so`` (GPU
 kernels over the CUDA core, static CUDA runtime) when CUDA is built, and ``build_info.json``
-(TensorFlow and CUDA versions, architectures), which the loader checks.
+(TensorFlow and CUDA versions, architectures, and the fingerprint of the sources and this recipe,
+:func:`~tf_sparsify.ops.paths.sources_fingerprint`), which the loader checks.
 
 CUDA is built when TensorFlow is a CUDA build and an ``nvcc`` of the same CUDA major version is
 found (``$CUDA_HOME/bin``, ``PATH``, ``/usr/local/cuda/bin``, ``/usr/local/cuda-*/bin``): a
@@ -33,7 +34,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tf_sparsify.ops.paths import GPU_LIB_NAME, INFO_NAME, LIB_NAME, SOURCE_DIR, build_dir
+from tf_sparsify.ops.paths import (
+    GPU_LIB_NAME,
+    INFO_NAME,
+    LIB_NAME,
+    SOURCE_DIR,
+    build_dir,
+    sources_fingerprint,
+)
 
 CPU_SOURCES = (
     "cc/ops/ops.cc",
@@ -42,6 +50,7 @@ CPU_SOURCES = (
     "cc/kernels/scatter_sum_cpu.cc",
     "cc/kernels/index_code_cpu.cc",
     "cc/kernels/sparse_sgd_cpu.cc",
+    "cc/kernels/cast_feedback_cpu.cc",
 )
 GPU_HOST_SOURCES = ("cc/kernels/gpu_kernels.cc",)
 CUDA_SOURCES = ("cuda/topk.cu", "cuda/qsgd.cu", "cuda/scatter_sum.cu")
@@ -243,6 +252,7 @@ def build(cpu_only: bool = False, jobs: int | None = None, verbose: bool = False
     if shutil.which(cxx) is None:
         raise BuildError(f"C++ compiler {cxx!r} not found (set CXX)")
     tf_version, tf_cuda, tf_compile, tf_link = tensorflow_config()
+    sources = sources_fingerprint()  # before compiling: a source edited meanwhile changes it
     mode = "0" if cpu_only else os.environ.get(CUDA_ENV)
     found = [Nvcc(p, v) for p in nvcc_candidates() if (v := nvcc_version(p))]
     nvcc, why = choose_nvcc(tf_cuda, found, mode)
@@ -282,6 +292,7 @@ def build(cpu_only: bool = False, jobs: int | None = None, verbose: bool = False
         "nvcc": str(nvcc.path) if nvcc else None,
         "cuda_archs": list(cuda_archs(nvcc)) if nvcc else [],
         "cuda_reason": why,
+        "sources": sources,
     }
     info_path.write_text(json.dumps(info, indent=1) + "\n")
     what = f"CPU + CUDA {nvcc.version} ({why}; nvcc {nvcc.path})" if nvcc else f"CPU ({why})"

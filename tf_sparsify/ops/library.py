@@ -1,11 +1,14 @@
 """Loads the compiled libraries: the ops with their CPU kernels, then the GPU kernels when this
 machine can run them.
 
-A library is used only when its ``build_info.json`` names the running TensorFlow version (an op
-library must be built against the TensorFlow it is loaded into). The GPU kernels live in a
-library of their own so that they can be left unregistered: when the NVIDIA driver is too old
-for the CUDA version they were built with, or a GPU's architecture is not in them, a warning
-says so once and TensorFlow places the ops on the CPU kernels instead of failing every step.
+A library is used only when its ``build_info.json`` names the running TensorFlow's minor version
+(an op library must be built against the TensorFlow it is loaded into; TensorFlow keeps the
+custom-op ABI within a minor release, which is what the ``>=2.21,<2.22`` pins of binary wheels
+such as ``make wheel``'s and tensorflow-text's rely on); otherwise the reason says how to build
+one from source. The GPU kernels live in a library of their own so that they can be left
+unregistered: when the NVIDIA driver is too old for the CUDA version they were built with, or a
+GPU's architecture is not in them, a warning says so once and TensorFlow places the ops on the
+CPU kernels instead of failing every step.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ OP_NAMES = (
     "IndexCodeEncode",
     "IndexCodeDecode",
     "SparseSgdApply",
+    "SaturatingCastFeedback",
+    "WireToFloat",
+    "TopKErrorFeedbackPacked",
+    "IndexCodeEncodePacked",
+    "IndexCodeDecodePacked",
+    "PackedDecompressSum",
 )
 #: every op but ScatterSum, whose gradient :func:`load` registers
 NOT_DIFFERENTIABLE = tuple(name for name in OP_NAMES if name != "ScatterSum")
@@ -56,24 +65,44 @@ def read_build_info(directory: Path) -> dict[str, Any] | None:
         return None
 
 
+def same_minor(built_for: str | None, running: str) -> bool:
+    """Whether a library built for TensorFlow ``built_for`` fits TensorFlow ``running``."""
+    return built_for is not None and built_for.split(".")[:2] == running.split(".")[:2]
+
+
+def origin(build: dict[str, Any]) -> str:
+    """Where a library comes from: a tf_sparsify wheel, or a build from source."""
+    wheel = build.get("wheel")
+    return f"packaged in the tf_sparsify {wheel} wheel" if wheel else "built from source"
+
+
+def build_hint(tf_version: str) -> str:
+    """How to get kernels for TensorFlow ``tf_version``."""
+    minor = ".".join(tf_version.split(".")[:2])
+    return (
+        "run `python -m tf_sparsify.ops.build` to build them from source (needs a C++ compiler "
+        f"and TensorFlow's headers), or install a tf_sparsify wheel built for TensorFlow {minor}"
+    )
+
+
 def find(tf_version: str) -> tuple[Path | None, dict[str, Any] | None, str]:
-    """The first folder holding a library built for ``tf_version``, its build info, and (when
-    none) why not."""
+    """The first folder holding a library built for ``tf_version``'s minor version, its build
+    info, and (when none) why not and how to build one."""
     problems = []
     for directory in search_dirs(tf_version):
         if not (directory / LIB_NAME).is_file():
             continue
         info = read_build_info(directory)
         built_for = info.get("tensorflow") if info else None
-        if built_for == tf_version:
+        if same_minor(built_for, tf_version):
             return directory, info, ""
         problems.append(
-            f"{directory / LIB_NAME} was built for TensorFlow {built_for or '(unknown)'}, "
-            f"this is {tf_version}"
+            f"the compiled kernels in {directory} ({origin(info or {})}) were built for "
+            f"TensorFlow {built_for or '(unknown)'}, this is {tf_version}"
         )
     where = " or ".join(str(d) for d in search_dirs(tf_version))
-    reason = "; ".join(problems) or f"no {LIB_NAME} in {where}"
-    return None, None, f"{reason}; run `python -m tf_sparsify.ops.build`"
+    reason = "; ".join(problems) or f"no compiled kernels ({LIB_NAME}) in {where}"
+    return None, None, f"{reason}: {build_hint(tf_version)}"
 
 
 def _gpu_capabilities() -> list[tuple[int, int]]:

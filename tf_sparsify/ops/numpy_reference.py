@@ -306,3 +306,44 @@ def index_code_decode(code: np.ndarray, n: int, k: int, low_bits: int) -> np.nda
             raise ValueError(f"code row {r} has padding bits set after bit {high + k * low_bits}")
         out[r] = x
     return out.reshape(code.shape[:-1] + (k,))
+
+
+def to_wire(v: np.ndarray, kind: str) -> np.ndarray:
+    """float32 ``v`` (no denormals) as ``kind`` bits (float16 or bfloat16), round to nearest
+    even, finite values beyond the range saturated; NaN as TensorFlow's Cast gives it (float16:
+    sign and top payload bits, quiet bit set; bfloat16: 0x7FC0)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        top = np.float32(OUTPUT_MAX[kind])
+        clipped = np.where(np.isfinite(v), np.clip(v, -top, top), v).astype(np.float32)
+        u = v.view(np.uint32)
+        if kind == "bfloat16":
+            return np.where(np.isnan(v), np.uint16(0x7FC0), f32_to_bf16(clipped))
+        nan = ((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x3FF)
+        return np.where(
+            np.isnan(v), nan.astype(np.uint16), clipped.astype(np.float16).view(np.uint16)
+        )
+
+
+def saturating_cast_feedback(
+    grad: np.ndarray, residual: np.ndarray | None, kind: str
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(wire, new_residual)`` bits of the fused cast for float32 bits ``grad`` and
+    ``residual`` (None: no residual, and None back); ``kind`` is the wire type."""
+    if residual is None:
+        v = _flush(grad.view(np.float32))
+    else:
+        v = add(grad, residual, "float32").view(np.float32)
+    wire = to_wire(v, kind)
+    if residual is None:
+        return wire, None
+    with np.errstate(invalid="ignore"):
+        new = _flush(v - to_f32(wire, kind))
+    return wire, new.view(np.uint32)
+
+
+def wire_to_float(wire: np.ndarray, scale: float, kind: str) -> tuple[np.ndarray, bool]:
+    """``(float32 bits of float(wire) * scale, every entry finite)`` for ``kind`` bits."""
+    values = _flush(to_f32(wire, kind))
+    with np.errstate(invalid="ignore", over="ignore"):
+        product = _flush(values * np.float32(scale))
+    return product.view(np.uint32), bool(np.isfinite(values).all())

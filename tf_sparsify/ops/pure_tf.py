@@ -21,6 +21,9 @@ These define the semantics the compiled kernels must reproduce bit for bit:
   InvalidArgumentError (under XLA, which cannot raise errors at run time, it is dropped).
 * ``hash_uniform``: a counter-based uniform in [0, 1) shared with the kernels, so the compiled
   QSGD and this reference give identical payloads for the same seed.
+* ``saturating_cast_feedback``: ``v = grad + residual`` (``grad`` alone without a residual),
+  ``wire = saturating_cast(v, wire_dtype)``, ``new_residual = v - float(wire)``;
+  ``wire_to_float``: ``float(wire) * scale`` and whether every entry of ``wire`` is finite.
 
 Denormals (see :mod:`tf_sparsify.ops`): float32/float64 arithmetic reads denormals as zero and
 flushes denormal results. TensorFlow's CPU kernels do that in hardware; the flushes written out
@@ -331,3 +334,32 @@ def sparse_sgd_apply(
     flat = tf.reshape(tf.convert_to_tensor(variable), [-1])
     flat = tf.foldl(row_step, (values, indices), initializer=flat)
     variable.assign(tf.reshape(flat, variable.shape))
+
+
+def saturating_cast(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """``tensor`` rounded to ``dtype``; finite values beyond its range become its largest finite
+    value (not Inf), Inf and NaN stay as they are."""
+    biggest = dtype.max
+    saturated = tf.clip_by_value(tensor, -biggest, biggest)  # NaN stays NaN
+    return tf.cast(tf.where(tf.math.is_inf(tensor), tensor, saturated), dtype)
+
+
+def saturating_cast_feedback(
+    grad: tf.Tensor, residual: tf.Tensor | None, wire_dtype: tf.DType
+) -> tuple[tf.Tensor, tf.Tensor | None]:
+    """Reference for the fused cast: ``(wire, new_residual)``, ``new_residual`` None without a
+    residual."""
+    v = flush(grad) if residual is None else add(grad, residual)
+    wire = saturating_cast(v, wire_dtype)
+    if wire_dtype == tf.bfloat16:  # TensorFlow's Cast gives 0x7FC0 or 0xFFC0: pin 0x7FC0
+        quiet_nan = tf.bitcast(tf.constant(0x7FC0, tf.uint16), tf.bfloat16)
+        wire = tf.where(tf.math.is_nan(v), quiet_nan, wire)
+    if residual is None:
+        return wire, None
+    return wire, flush(v - tf.cast(wire, v.dtype))
+
+
+def wire_to_float(wire: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Reference for the fused decoder: ``(float32(wire) * scale, all finite)``."""
+    product = flush(flush(tf.cast(wire, tf.float32)) * scale)
+    return product, tf.reduce_all(tf.math.is_finite(wire))

@@ -1,5 +1,6 @@
 // float16 conversions through F16C where the CPU has it (chosen at run time: the build targets
-// x86-64-v2, which lacks it, and Eigen's software conversion costs ~10x a memory pass).
+// x86-64-v2, which lacks it, and Eigen's software conversion costs ~10x a memory pass), and the
+// run-time check for AVX512-BF16.
 // Round to nearest even, like Eigen; a NaN keeps its sign and top payload bits, quieted.
 #ifndef TFS_KERNELS_F16C_H_
 #define TFS_KERNELS_F16C_H_
@@ -21,6 +22,17 @@ inline bool HasF16c() {
   static const bool has = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  }();
+  return has;
+}
+
+// Whether the CPU (and OS) has AVX512-BF16 with AVX512BW/VL (float32 to bfloat16 by
+// VCVTNEPS2BF16).
+inline bool HasAvx512Bf16() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
   }();
   return has;
 }

@@ -15,12 +15,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/platform/denormal.h"
 #include "cpu_parallel.h"
 #include "tfs_common.h"
 
@@ -264,6 +267,216 @@ class IndexCodeDecodeOp : public OpKernel {
   int64_t k_;
   int64_t low_bits_;
 };
+
+// The per-tensor layouts of a packed bucket (attrs num_elements, ks, low_bits: one per tensor).
+class PackedLayouts {
+ public:
+  absl::Status Read(OpKernelConstruction* ctx, const char* op) {
+    TF_RETURN_IF_ERROR(ctx->GetAttr("ks", &ks_));
+    TF_RETURN_IF_ERROR(ctx->GetAttr("low_bits", &low_bits_));
+    if (ns_.empty()) TF_RETURN_IF_ERROR(ctx->GetAttr("num_elements", &ns_));
+    if (ks_.size() != ns_.size() || low_bits_.size() != ns_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          op, ": num_elements, ks and low_bits must have one entry per tensor, got ", ns_.size(),
+          ", ", ks_.size(), " and ", low_bits_.size()));
+    }
+    for (size_t i = 0; i < ns_.size(); ++i) {
+      TF_RETURN_IF_ERROR(CheckAttrs(op, ns_[i], low_bits_[i]));
+      if (ks_[i] < 0 || ks_[i] > ns_[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(op, ": ks[", i, "] must be in [0, ",
+                                                       ns_[i], "], got ", ks_[i]));
+      }
+      layouts_.push_back(MakeLayout(ns_[i], ks_[i], low_bits_[i]));
+      total_k_ += ks_[i];
+      total_bytes_ += layouts_.back().bytes;
+    }
+    return absl::OkStatus();
+  }
+  void SetNumElements(std::vector<int64_t> ns) { ns_ = std::move(ns); }
+  size_t size() const { return ns_.size(); }
+  int64_t n(size_t i) const { return ns_[i]; }
+  int64_t k(size_t i) const { return ks_[i]; }
+  const Layout& layout(size_t i) const { return layouts_[i]; }
+  int64_t total_k() const { return total_k_; }
+  int64_t total_bytes() const { return total_bytes_; }
+
+ private:
+  std::vector<int64_t> ns_, ks_, low_bits_;
+  std::vector<Layout> layouts_;
+  int64_t total_k_ = 0;
+  int64_t total_bytes_ = 0;
+};
+
+// IndexCodeEncodePacked: the codes of a packed bucket's index segments, concatenated.
+template <typename Index>
+class IndexCodeEncodePackedOp : public OpKernel {
+ public:
+  explicit IndexCodeEncodePackedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, layouts_.Read(ctx, "IndexCodeEncodePacked"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& indices = ctx->input(0);
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(indices.shape()) &&
+                    indices.NumElements() == layouts_.total_k(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "IndexCodeEncodePacked: indices must be a vector of sum(ks) = ",
+                    layouts_.total_k(), " entries, got shape ", indices.shape().DebugString())));
+    Tensor* code = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({layouts_.total_bytes()}), &code));
+    const Index* idx = indices.flat<Index>().data();
+    uint8_t* out = code->flat<uint8_t>().data();
+    for (size_t i = 0; i < layouts_.size(); ++i) {
+      const int64_t k = layouts_.k(i);
+      OP_REQUIRES_OK(ctx, CheckSorted(idx, k, layouts_.n(i)));
+      if (k) Encode(idx, k, layouts_.layout(i), out);
+      idx += k;
+      out += layouts_.layout(i).bytes;
+    }
+  }
+
+ private:
+  PackedLayouts layouts_;
+};
+
+// IndexCodeDecodePacked: code [P, sum(bytes)] of IndexCodeEncodePacked's layout gives the
+// [P, sum(ks)] indices, each segment's flat within its own tensor.
+template <typename Index>
+class IndexCodeDecodePackedOp : public OpKernel {
+ public:
+  explicit IndexCodeDecodePackedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, layouts_.Read(ctx, "IndexCodeDecodePacked"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& code = ctx->input(0);
+    OP_REQUIRES(ctx, code.dims() == 2 && code.dim_size(1) == layouts_.total_bytes(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "IndexCodeDecodePacked: code must be [replicas, ", layouts_.total_bytes(),
+                    "], got shape ", code.shape().DebugString())));
+    const int64_t rows = code.dim_size(0);
+    Tensor* indices = nullptr;
+    OP_REQUIRES_OK(ctx,
+                   ctx->allocate_output(0, TensorShape({rows, layouts_.total_k()}), &indices));
+    const uint8_t* in = code.flat<uint8_t>().data();
+    Index* out = indices->flat<Index>().data();
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t c_at = r * layouts_.total_bytes();
+      Index* o = out + r * layouts_.total_k();
+      for (size_t i = 0; i < layouts_.size(); ++i) {
+        if (layouts_.k(i)) {
+          OP_REQUIRES_OK(ctx, DecodeRow(in + c_at, r, layouts_.k(i), layouts_.n(i),
+                                        layouts_.layout(i), o));
+        }
+        c_at += layouts_.layout(i).bytes;
+        o += layouts_.k(i);
+      }
+    }
+  }
+
+ private:
+  PackedLayouts layouts_;
+};
+
+// PackedDecompressSum: for gathered packed payloads (values [P, sum(ks)], codes
+// [P, sum(bytes)]), each tensor's dense sum over the P rows times scale, in its shape. Rows add
+// in order onto zeros with T's addition under DAZ/FTZ, as ScatterSum of the rows' entries does.
+template <typename T>
+class PackedDecompressSumOp : public OpKernel {
+ public:
+  explicit PackedDecompressSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shapes", &shapes_));
+    std::vector<int64_t> ns;
+    for (const PartialTensorShape& shape : shapes_) {
+      OP_REQUIRES(ctx, shape.IsFullyDefined(),
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "PackedDecompressSum: shapes must be fully defined, got ",
+                      shape.DebugString())));
+      ns.push_back(shape.num_elements());
+    }
+    layouts_.SetNumElements(std::move(ns));
+    OP_REQUIRES_OK(ctx, layouts_.Read(ctx, "PackedDecompressSum"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    port::ScopedFlushDenormal flush;
+    const Tensor& values = ctx->input(0);
+    const Tensor& code = ctx->input(1);
+    const Tensor& scale_t = ctx->input(2);
+    OP_REQUIRES(ctx, values.dims() == 2 && values.dim_size(1) == layouts_.total_k(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "PackedDecompressSum: values must be [replicas, ", layouts_.total_k(),
+                    "], got shape ", values.shape().DebugString())));
+    const int64_t rows = values.dim_size(0);
+    OP_REQUIRES(ctx,
+                code.dims() == 2 && code.dim_size(0) == rows &&
+                    code.dim_size(1) == layouts_.total_bytes(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "PackedDecompressSum: code must be [", rows, ", ", layouts_.total_bytes(),
+                    "], got shape ", code.shape().DebugString())));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(scale_t.shape()),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "PackedDecompressSum: scale must be a scalar, got shape ",
+                    scale_t.shape().DebugString())));
+    const T scale = scale_t.scalar<T>()();
+    const bool scaled = !(scale == T(1));
+    const T* v = values.flat<T>().data();
+    const uint8_t* c = code.flat<uint8_t>().data();
+    const int64_t k_total = layouts_.total_k();
+    const int64_t bytes_total = layouts_.total_bytes();
+    std::vector<int64_t> idx;
+    int64_t v_at = 0, c_at = 0;
+    for (size_t i = 0; i < layouts_.size(); ++i) {
+      TensorShape shape;
+      OP_REQUIRES(ctx, shapes_[i].AsTensorShape(&shape),
+                  absl::InternalError("PackedDecompressSum: shape"));
+      Tensor* dense = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, shape, &dense));
+      T* out = dense->flat<T>().data();
+      const int64_t n = layouts_.n(i);
+      const int64_t k = layouts_.k(i);
+      std::fill(out, out + n, T(0));
+      idx.resize(k);
+      for (int64_t r = 0; r < rows && k; ++r) {
+        OP_REQUIRES_OK(ctx, DecodeRow(c + r * bytes_total + c_at, r, k, n, layouts_.layout(i),
+                                      idx.data()));
+        const T* row = v + r * k_total + v_at;
+        for (int64_t j = 0; j < k; ++j) out[idx[j]] = out[idx[j]] + row[j];
+      }
+      if (scaled) {
+        for (int64_t j = 0; j < n; ++j) out[j] = out[j] * scale;
+      }
+      v_at += k;
+      c_at += layouts_.layout(i).bytes;
+    }
+  }
+
+ private:
+  std::vector<PartialTensorShape> shapes_;
+  PackedLayouts layouts_;
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("IndexCodeEncodePacked").Device(DEVICE_CPU).TypeConstraint<int32_t>("Tindex"),
+    IndexCodeEncodePackedOp<int32_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("IndexCodeEncodePacked").Device(DEVICE_CPU).TypeConstraint<int64_t>("Tindex"),
+    IndexCodeEncodePackedOp<int64_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("IndexCodeDecodePacked").Device(DEVICE_CPU).TypeConstraint<int32_t>("index_type"),
+    IndexCodeDecodePackedOp<int32_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("IndexCodeDecodePacked").Device(DEVICE_CPU).TypeConstraint<int64_t>("index_type"),
+    IndexCodeDecodePackedOp<int64_t>);
+#define TFS_REGISTER_PACKED_SUM(T)                                                            \
+  REGISTER_KERNEL_BUILDER(Name("PackedDecompressSum").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          PackedDecompressSumOp<T>);
+TFS_REGISTER_PACKED_SUM(Eigen::half)
+TFS_REGISTER_PACKED_SUM(Eigen::bfloat16)
+TFS_REGISTER_PACKED_SUM(float)
+TFS_REGISTER_PACKED_SUM(double)
+#undef TFS_REGISTER_PACKED_SUM
 
 #define TFS_REGISTER_INDEX_CODE(Index)                                                      \
   REGISTER_KERNEL_BUILDER(                                                                  \

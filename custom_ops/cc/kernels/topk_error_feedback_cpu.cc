@@ -551,6 +551,87 @@ class TopKErrorFeedbackCpuOp : public OpKernel {
   }
 };
 
+// TopKErrorFeedbackPacked: TopKErrorFeedback of N tensors in one launch (a bucket of many
+// small tensors pays one op dispatch instead of N), each with its own k; values and indices
+// are the tensors' outputs concatenated in input order (indices flat within their tensor).
+template <typename T, typename Index>
+class TopKErrorFeedbackPackedCpuOp : public OpKernel {
+ public:
+  explicit TopKErrorFeedbackPackedCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("ks", &ks_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    port::ScopedFlushDenormal flush;
+    OpInputList grads, residuals;
+    OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
+    OP_REQUIRES_OK(ctx, ctx->input_list("residuals", &residuals));
+    const int num = grads.size();
+    OP_REQUIRES(ctx, static_cast<int>(ks_.size()) == num,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "TopKErrorFeedbackPacked: ks must have one k per tensor (", num, "), got ",
+                    ks_.size())));
+    int64_t total = 0;
+    for (int i = 0; i < num; ++i) {
+      OP_REQUIRES(ctx, grads[i].shape() == residuals[i].shape(),
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "TopKErrorFeedbackPacked: residuals[", i, "] must have grads[", i,
+                      "]'s shape ", grads[i].shape().DebugString(), ", got ",
+                      residuals[i].shape().DebugString())));
+      const int64_t n = grads[i].NumElements();
+      OP_REQUIRES(ctx, ks_[i] >= 0 && ks_[i] <= n,
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "TopKErrorFeedbackPacked: ks[", i, "] must be in [0, ", n,
+                      "] (the number of elements of grads[", i, "]), got ", ks_[i])));
+      OP_REQUIRES(ctx, n <= static_cast<int64_t>(std::numeric_limits<Index>::max()),
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "TopKErrorFeedbackPacked: grads[", i, "] has ", n,
+                      " elements, more than index_type can index")));
+      total += ks_[i];
+    }
+    Tensor* values = nullptr;
+    Tensor* indices = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({total}), &indices));
+    T* v = values->flat<T>().data();
+    Index* idx = indices->flat<Index>().data();
+    for (int i = 0; i < num; ++i) {
+      Tensor* acc = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({i, num + i}, 2 + i,
+                                                                 grads[i].shape(), &acc));
+      const int64_t n = grads[i].NumElements();
+      if (n) {
+        TopKErrorFeedbackCpu<T, Index>(ctx, grads[i].flat<T>().data(),
+                                       residuals[i].flat<T>().data(), acc->flat<T>().data(), n,
+                                       ks_[i], v, idx);
+      }
+      v += ks_[i];
+      idx += ks_[i];
+    }
+  }
+
+ private:
+  std::vector<int64_t> ks_;
+};
+
+#define TFS_REGISTER_TOPK_PACKED_CPU(T, Index)                      \
+  REGISTER_KERNEL_BUILDER(Name("TopKErrorFeedbackPacked")           \
+                              .Device(DEVICE_CPU)                   \
+                              .TypeConstraint<T>("T")               \
+                              .TypeConstraint<Index>("index_type"), \
+                          TopKErrorFeedbackPackedCpuOp<T, Index>);
+#define TFS_REGISTER_TOPK_CPU_ALL(T)       \
+  TFS_REGISTER_TOPK_PACKED_CPU(T, int32_t) \
+  TFS_REGISTER_TOPK_PACKED_CPU(T, int64_t)
+
+TFS_REGISTER_TOPK_CPU_ALL(Eigen::half)
+TFS_REGISTER_TOPK_CPU_ALL(Eigen::bfloat16)
+TFS_REGISTER_TOPK_CPU_ALL(float)
+TFS_REGISTER_TOPK_CPU_ALL(double)
+
+#undef TFS_REGISTER_TOPK_CPU_ALL
+#undef TFS_REGISTER_TOPK_PACKED_CPU
+
 #define TFS_REGISTER_TOPK_CPU(T, Index)                                \
   REGISTER_KERNEL_BUILDER(Name("TopKErrorFeedback")                    \
                               .Device(DEVICE_CPU)                      \

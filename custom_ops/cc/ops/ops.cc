@@ -1,4 +1,5 @@
 // Op registrations and shape functions of tf_sparsify's custom ops.
+#include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -207,6 +208,170 @@ are untouched. values and indices are [rows, k]; each row of indices is strictly
 subtracting (ScatterSum(values, indices) * scale) * learning_rate densely. Like
 AssignSubVariableOp, the variable's buffer is copied first when a read still holds it. Bad
 indices fail with InvalidArgument before var changes.
+)doc");
+
+REGISTER_OP("SaturatingCastFeedback")
+    .Input("grad: float")
+    .Input("residual: N * float")
+    .Output("wire: wire_type")
+    .Output("new_residual: N * float")
+    .Attr("wire_type: {half, bfloat16}")
+    .Attr("N: int >= 0")
+    .Attr("portable: bool = false")
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t count;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &count));
+      if (count > 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SaturatingCastFeedback: at most one residual, got N = ", count));
+      }
+      ShapeHandle shape = c->input(0);
+      if (count == 1) {
+        TF_RETURN_IF_ERROR(c->Merge(shape, c->input(1), &shape));
+        c->set_output(1, shape);
+      }
+      c->set_output(0, shape);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Cast to a 16-bit wire type with error feedback, in one pass.
+
+v = grad + residual (grad alone when N = 0); wire = v rounded to nearest even, finite values
+beyond wire_type's range saturated to its largest finite value, Inf kept, NaN quieted as Cast
+does (half: sign and top payload bits kept; bfloat16: 0x7FC0); with a residual (N = 1),
+new_residual = v - float(wire) (it may reuse residual's buffer). Denormals (TensorFlow's CPU
+policy): denormal inputs read as zero and a denormal new_residual entry is flushed, keeping
+signs. portable: skip the F16C / AVX512-BF16 paths (for tests; the bits are the same).
+)doc");
+
+REGISTER_OP("TopKErrorFeedbackPacked")
+    .Input("grads: N * T")
+    .Input("residuals: N * T")
+    .Output("values: T")
+    .Output("indices: index_type")
+    .Output("new_residuals: N * T")
+    .Attr("N: int >= 1")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("ks: list(int)")
+    .Attr("index_type: {int32, int64} = DT_INT32")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int64_t> ks;
+      TF_RETURN_IF_ERROR(c->GetAttr("ks", &ks));
+      int64_t total = 0;
+      for (int64_t k : ks) total += k;
+      const int num = c->num_inputs() / 2;
+      for (int i = 0; i < num; ++i) {
+        ShapeHandle acc;
+        TF_RETURN_IF_ERROR(c->Merge(c->input(i), c->input(num + i), &acc));
+        c->set_output(2 + i, acc);
+      }
+      c->set_output(0, c->Vector(total));
+      c->set_output(1, c->Vector(total));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+TopKErrorFeedback of N tensors in one op, tensor i with its own k = ks[i]: values and indices
+are the N outputs concatenated in input order (indices flat within their own tensor),
+new_residuals[i] is tensor i's new residual (the same bits as N TopKErrorFeedback ops).
+)doc");
+
+REGISTER_OP("IndexCodeEncodePacked")
+    .Input("indices: Tindex")
+    .Output("code: uint8")
+    .Attr("Tindex: {int32, int64}")
+    .Attr("num_elements: list(int)")
+    .Attr("ks: list(int)")
+    .Attr("low_bits: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int64_t> ns, ks, low;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_elements", &ns));
+      TF_RETURN_IF_ERROR(c->GetAttr("ks", &ks));
+      TF_RETURN_IF_ERROR(c->GetAttr("low_bits", &low));
+      if (ks.size() != ns.size() || low.size() != ns.size()) {
+        return absl::InvalidArgumentError(
+            "IndexCodeEncodePacked: num_elements, ks and low_bits must have one entry per tensor");
+      }
+      int64_t bytes = 0;
+      for (size_t i = 0; i < ns.size(); ++i) bytes += tfs::IndexCodeBytes(ns[i], ks[i], low[i]);
+      ShapeHandle indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &indices));
+      c->set_output(0, c->Vector(bytes));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+IndexCodeEncode of consecutive segments of indices (segment i: ks[i] indices below
+num_elements[i], low_bits[i]), the codes concatenated.
+)doc");
+
+REGISTER_OP("IndexCodeDecodePacked")
+    .Input("code: uint8")
+    .Output("indices: index_type")
+    .Attr("num_elements: list(int)")
+    .Attr("ks: list(int)")
+    .Attr("low_bits: list(int)")
+    .Attr("index_type: {int32, int64}")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int64_t> ks;
+      TF_RETURN_IF_ERROR(c->GetAttr("ks", &ks));
+      int64_t total = 0;
+      for (int64_t k : ks) total += k;
+      ShapeHandle code;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &code));
+      c->set_output(0, c->Matrix(c->Dim(code, 0), total));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Inverse of IndexCodeEncodePacked, row by row: code [replicas, bytes] gives the
+[replicas, sum(ks)] indices, each segment's flat within its own tensor; an invalid segment
+fails as IndexCodeDecode does.
+)doc");
+
+REGISTER_OP("PackedDecompressSum")
+    .Input("values: T")
+    .Input("code: uint8")
+    .Input("scale: T")
+    .Output("dense: N * T")
+    .Attr("N: int >= 1")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("shapes: list(shape)")
+    .Attr("ks: list(int)")
+    .Attr("low_bits: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<PartialTensorShape> shapes;
+      TF_RETURN_IF_ERROR(c->GetAttr("shapes", &shapes));
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        ShapeHandle out;
+        TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shapes[i], &out));
+        c->set_output(i, out);
+      }
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Decompressed sum of gathered packed TopK payloads: values [replicas, sum(ks)] and code
+[replicas, sum of the segments' code bytes] (IndexCodeEncodePacked's layout); dense[i] (of
+shapes[i]) is the sum over the rows of segment i's values at its decoded indices (rows add in
+order onto zeros, as ScatterSum), times scale. A row whose segment is not a valid code fails
+as IndexCodeDecode does.
+)doc");
+
+REGISTER_OP("WireToFloat")
+    .Input("wire: wire_type")
+    .Input("scale: float")
+    .Output("output: float")
+    .Output("finite: bool")
+    .Attr("wire_type: {half, bfloat16}")
+    .Attr("portable: bool = false")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle scale;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &scale));
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Decoder of SaturatingCastFeedback's wire: output = float(wire) * scale (float32 arithmetic;
+denormal inputs and products are zeros of their sign, TensorFlow's CPU policy); finite: whether
+every entry of wire is finite, found in the same pass. portable: as SaturatingCastFeedback's.
 )doc");
 
 }  // namespace tensorflow
