@@ -2,16 +2,21 @@
 
 ``python benchmarks/bench_overhead.py`` trains the 10M-parameter MLP 784-2048-2048-2048-10 on
 synthetic data (batch 128) with plain ``SGD`` and with ``SparsifiedOptimizer(SGD, C)`` for each
-compressor ``C``, interleaved in rounds (A B C A B C ...) on this noisy machine, and prints the
-best epoch's ms/step of each and its ratio to plain SGD, all measured in the same run.
-``--profile DIR`` also writes a TensorFlow profiler trace of a few steps of each configuration.
+compressor ``C`` (``--model mobilenetv2`` or ``transformer``: the network benchmark's model,
+synthetic data and per-process batch, 64 images or 4 sequences), interleaved in rounds
+(A B C A B C ...) on this noisy machine, and prints the best epoch's ms/step of each and its
+ratio to plain SGD, all measured in the same run.
+``--momentum 0.9`` gives every configuration SGD with momentum. ``--profile DIR`` also writes a
+TensorFlow profiler trace of a few steps of each configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 # TensorFlow's C++ log lines off unless the user asked for them.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -22,6 +27,11 @@ import tensorflow as tf  # noqa: E402
 
 import tf_sparsify as tfs  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.network.models import BATCH, make_model, synthetic_batch  # noqa: E402
+
+MODELS = ("mlp10m", "mobilenetv2", "transformer")
+
 CONFIGS = {
     "sgd": None,
     "identity": lambda: tfs.Identity(),
@@ -29,6 +39,7 @@ CONFIGS = {
     "topk0.1": lambda: tfs.TopK(ratio=0.001),
     "qsgd4": lambda: tfs.QSGD(4),
     "fp16": lambda: tfs.FP16(),
+    "bf16": lambda: tfs.BF16(),
 }
 
 
@@ -40,11 +51,23 @@ def mlp(widths: tuple[int, ...]) -> keras.Model:
     return keras.Sequential(layers)
 
 
-def compiled(name: str, widths: tuple[int, ...]) -> keras.Model:
-    optimizer = keras.optimizers.SGD(0.01)
+def synthetic_data(model: str, widths: tuple[int, ...], rows: int) -> tuple[np.ndarray, ...]:
+    """``rows`` examples and labels for ``model``."""
+    if model != "mlp10m":
+        return synthetic_batch(model, image_size=32, batch=rows, seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, widths[0])).astype("float32")
+    return x, rng.integers(0, widths[-1], size=rows)
+
+
+def compiled(
+    name: str, model_name: str, widths: tuple[int, ...], momentum: float = 0.0
+) -> keras.Model:
+    optimizer = keras.optimizers.SGD(0.01, momentum=momentum)
     if CONFIGS[name] is not None:
         optimizer = tfs.SparsifiedOptimizer(optimizer, CONFIGS[name]())
-    model = mlp(widths)
+    # mlp10m: the MLP of --widths; else the network benchmark's model
+    model = mlp(widths) if model_name == "mlp10m" else make_model(model_name, 32, seed=0)
     model.compile(
         optimizer,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -72,19 +95,25 @@ def main() -> None:
     parser.add_argument(
         "--configs", default="sgd,topk1,qsgd4", help=f"comma list of {list(CONFIGS)}"
     )
-    parser.add_argument("--widths", default="784,2048,2048,2048,10")
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--model", choices=MODELS, default="mlp10m")
+    parser.add_argument("--widths", default="784,2048,2048,2048,10", help="mlp10m's layers")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        help="default: 128 (mlp10m), else as the network benchmark's per process",
+    )
     parser.add_argument("--steps", type=int, default=10, help="steps per epoch")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per round")
     parser.add_argument("--profile", default=None, help="write a profiler trace here")
+    parser.add_argument("--momentum", type=float, default=0.0, help="inner SGD's momentum")
     args = parser.parse_args()
     names = args.configs.split(",")
     widths = tuple(int(w) for w in args.widths.split(","))
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch * args.steps, widths[0])).astype("float32")
-    y = rng.integers(0, widths[-1], size=len(x))
-    models = {name: compiled(name, widths) for name in names}
+    if args.batch is None:
+        args.batch = 128 if args.model == "mlp10m" else BATCH[args.model]
+    x, y = synthetic_data(args.model, widths, args.batch * args.steps)
+    models = {name: compiled(name, args.model, widths, args.momentum) for name in names}
     for model in models.values():  # trace and warm up
         model.fit(x, y, batch_size=args.batch, epochs=1, verbose=0)
     best = dict.fromkeys(names, float("inf"))

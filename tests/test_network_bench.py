@@ -3,7 +3,9 @@
 ``python -m benchmarks.network --quick`` runs end to end once for the module: real
 ``horovodrun -np 2 --gloo`` and real MultiWorkerMirroredStrategy worker processes, every
 compressor, a tiny model, an unlimited link, inside a private network namespace where root and
-iproute2 allow it (outside otherwise). The tests assert what it wrote and printed, never timings.
+iproute2 allow it (outside otherwise). The tiny transformer runs too, smaller: Horovod with three
+compressors, and the accuracy mode's next-token task for two epochs. The tests assert what it
+wrote and printed, never timings.
 The no-root fallback is checked through ``TF_SPARSIFY_BENCH_NO_ROOT=1``; the namespace itself
 (rate limit set, processes killed, namespace deleted) directly, where it can be made.
 """
@@ -24,6 +26,7 @@ from benchmarks.network.affinity import local_rank, rank_cores
 from benchmarks.network.jobs import JobFailed, run_job
 from benchmarks.network.models import BACKEND_PROBES, COMPRESSORS, PROBES
 from benchmarks.network.netns import PRETEND_NO_ROOT_ENV, shaped_namespace, unavailable_reason
+from benchmarks.network.tasks import TASKS
 from tests.conftest import ROOT
 
 BACKENDS = ("horovod", "mwms")
@@ -35,14 +38,13 @@ NAMES = {
 TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory) -> tuple[str, dict, str]:
-    """The quick run's ``(stdout, JSON, markdown)``. Past ``TIMEOUT_S`` it gets SIGTERM, on
-    which it stops its jobs and deletes its namespaces, and the test fails."""
-    stem = str(tmp_path_factory.mktemp("network_bench") / "bench")
+def run_quick(stem: str, *argv: str) -> tuple[str, dict, str]:
+    """``python -m benchmarks.network --quick ARGV``'s ``(stdout, JSON, markdown)``. Past
+    ``TIMEOUT_S`` it gets SIGTERM, on which it stops its jobs and deletes its namespaces, and
+    the test fails."""
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop(PRETEND_NO_ROOT_ENV, None)
-    command = [sys.executable, "-m", "benchmarks.network", "--quick", "--out", stem]
+    command = [sys.executable, "-m", "benchmarks.network", "--quick", "--out", stem, *argv]
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -57,6 +59,12 @@ def quick(tmp_path_factory) -> tuple[str, dict, str]:
     assert proc.returncode == 0, f"quick benchmark failed:\n{out[-4000:]}\n{err[-6000:]}"
     with open(stem + ".json") as f, open(stem + ".md") as g:
         return out, json.load(f), g.read()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[str, dict, str]:
+    """The quick run: both backends, every compressor and probe, the tiny MLP."""
+    return run_quick(str(tmp_path_factory.mktemp("network_bench") / "bench"))
 
 
 def _rows(data: dict) -> dict[tuple[str, str], dict]:
@@ -254,18 +262,87 @@ def test_run_job_kills_a_stuck_job_with_what_it_started(tmp_path):
     assert _gone(int(pid_file.read_text()))
 
 
-def test_accuracy_report_table_and_plot(tmp_path):
+def test_quick_transformer_throughput(tmp_path):
+    """--quick --models transformer trains the tiny transformer (8 sequences per rank) under
+    Horovod; TopK sends less than dense."""
+    names = ("identity", "topk1")
+    argv = ["--backend", "horovod", "--models", "transformer", "--compressors", ",".join(names)]
+    stdout, data, markdown = run_quick(str(tmp_path / "bench"), *argv)
+    rows = {r["compressor"]: r for r in data["rows"]}
+    assert set(rows) == set(names)
+    for row in rows.values():
+        assert (row["model"], row["batch"], row["ranks"]) == ("transformer_tiny", 8, 2)
+        assert row["best_ms"] > 0
+    assert 0 < rows["topk1"]["bytes_per_step"] < rows["identity"]["bytes_per_step"]
+    assert "### horovod, transformer_tiny, 2 ranks" in markdown
+    assert stdout.count("transformer_tiny") >= len(names) * data["settings"]["rounds"]
+
+
+def test_quick_transformer_time_to_target_loss(tmp_path):
+    """--mode accuracy --quick --models transformer: the tiny transformer's next-token task for
+    two epochs with dense and TopK 1%; the held-out loss of each falls."""
+    argv = ["--mode", "accuracy", "--models", "transformer", "--compressors", "identity,topk1"]
+    _, data, markdown = run_quick(str(tmp_path / "accuracy"), *argv)
+    task = TASKS["transformer_tiny"]
+    assert data["settings"]["models"] == ["transformer_tiny"]
+    assert data["settings"]["target"] == task.target and data["complete"] is True
+    curves = report.curves(data["records"])
+    assert set(curves) == {"identity", "topk1"}
+    for points in curves.values():
+        assert [p["epoch"] for p in points] == [0, 1, 2]
+        assert [p["step"] for p in points] == [0, task.steps, 2 * task.steps]
+        assert points[-1]["score"] < points[0]["score"] - 0.5
+        assert points[0]["seconds"] == 0 < points[1]["seconds"] < points[2]["seconds"]
+    assert f"Target: {task.metric} <= {task.target:g}" in markdown
+    assert (tmp_path / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quick_and_the_accuracy_mode_choose_their_models():
+    args = run.parse_args(["--quick", "--models", "mlp10m,mobilenetv2,transformer"])
+    assert args.models == ["tiny", "transformer_tiny"]
+    assert run.parse_args([]).models == ["mlp10m", "mobilenetv2"]
+    args = run.parse_args(["--mode", "accuracy"])
+    digits = TASKS["digits"]
+    assert args.models == ["digits"]
+    assert (args.epochs, args.batch, args.target) == (digits.epochs, digits.batch, digits.target)
+    args = run.parse_args(["--mode", "accuracy", "--models", "transformer", "--target", "3.5"])
+    assert (args.batch, args.target) == (TASKS["transformer"].batch, 3.5)
+    for argv in (["--models", "digits"], ["--mode", "accuracy", "--models", "mlp10m"]):
+        with pytest.raises(SystemExit):
+            run.parse_args(argv)
+    with pytest.raises(SystemExit):
+        run.parse_args(["--mode", "accuracy", "--models", "digits,transformer"])
+
+
+def _epochs(curves: dict[str, list[float]], seconds_per_epoch: dict[str, float]) -> list[dict]:
     records = []
-    for name, curve in {"identity": [0.1, 0.85, 0.93], "topk1": [0.1, 0.8, 0.88]}.items():
-        for number, accuracy in enumerate(curve):
-            seconds = 2.0 * number if name == "identity" else 0.5 * number
+    for name, curve in curves.items():
+        for number, score in enumerate(curve):
             records.append(
-                {"event": "epoch", "compressor": name, "epoch": number, "seconds": seconds}
-                | {"accuracy": accuracy}
+                {"event": "epoch", "compressor": name, "epoch": number, "step": 10 * number}
+                | {"seconds": seconds_per_epoch[name] * number, "score": score}
             )
         records.append({"event": "result", "compressor": name, "bytes_per_step": 100})
-    table = report.accuracy_markdown(records, 0.9)
-    assert "| Identity (dense) | 100 | 4.0 | 2 | 0.9300 | 4.0 |" in table
-    assert "| TopK 1% + EF | 100 | – | – | 0.8800 | 1.0 |" in table
-    report.plot_accuracy(records, 0.9, "test", str(tmp_path / "a.png"))
+    return records
+
+
+def test_accuracy_report_table_and_plot(tmp_path):
+    curves = {"identity": [0.1, 0.85, 0.93], "topk1": [0.1, 0.8, 0.88]}
+    records = _epochs(curves, {"identity": 2.0, "topk1": 0.5})
+    digits = TASKS["digits"]
+    table = report.accuracy_markdown(records, digits, 0.9)
+    assert "Target: test accuracy >= 0.9" in table
+    assert "| Identity (dense) | 100 | 4.0 | 20 | 2 | 0.9300 | 4.0 |" in table
+    assert "| TopK 1% + EF | 100 | – | – | – | 0.8800 | 1.0 |" in table
+    report.plot_accuracy(records, digits, 0.9, "test", str(tmp_path / "a.png"))
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_loss_target_is_reached_from_above():
+    records = _epochs(
+        {"identity": [10.4, 6.0, 4.2], "fp16": [10.4, 7.0, 5.5]}, {"identity": 3.0, "fp16": 2.0}
+    )
+    table = report.accuracy_markdown(records, TASKS["transformer"], 5.0)
+    assert "Target: eval loss (nats/token) <= 5" in table
+    assert "| Identity (dense) | 100 | 6.0 | 20 | 2 | 4.2000 | 6.0 |" in table
+    assert "| FP16 | 100 | – | – | – | 5.5000 | 4.0 |" in table

@@ -6,9 +6,13 @@ reads names and labels from here stays light.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from benchmarks.network.language import MarkovLanguage
 
 if TYPE_CHECKING:
     import keras
@@ -37,7 +41,37 @@ BACKEND_PROBES = {
     "horovod": ("compute", "compute_sync", "exchange_topk1"),
     "mwms": ("compute", "loop_topk1"),
 }
-MODELS = ("mlp10m", "mobilenetv2", "tiny")
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """A decoder-only transformer's sizes: ``layers`` blocks of ``heads``-head causal
+    self-attention and a ``d_model -> mlp -> d_model`` GELU MLP, over ``vocab`` tokens and
+    sequences of ``length``."""
+
+    vocab: int
+    length: int
+    d_model: int
+    layers: int
+    heads: int
+    mlp: int
+
+
+#: the transformers by benchmark name (parameter counts: :func:`transformer`)
+TRANSFORMERS = {
+    "transformer": TransformerShape(
+        vocab=32000, length=128, d_model=512, layers=6, heads=8, mlp=2048
+    ),
+    "transformer_tiny": TransformerShape(
+        vocab=256, length=16, d_model=32, layers=2, heads=2, mlp=64
+    ),
+}
+MODELS = ("mlp10m", "mobilenetv2", "tiny", *TRANSFORMERS)
+#: throughput batch per process, by model (about 1 s per compute-only step on one core here
+#: for the transformer)
+BATCH = {"mlp10m": 64, "mobilenetv2": 64, "tiny": 64, "transformer": 4, "transformer_tiny": 8}
+#: the model ``--quick`` runs in place of each model
+QUICK_MODELS = {"mlp10m": "tiny", "mobilenetv2": "tiny", "transformer": "transformer_tiny"}
 
 
 def mlp(input_size: int, widths: tuple[int, ...]) -> keras.Model:
@@ -50,15 +84,68 @@ def mlp(input_size: int, widths: tuple[int, ...]) -> keras.Model:
     return keras.Sequential(layers)
 
 
+def transformer(shape: TransformerShape) -> keras.Model:
+    """A pre-LayerNorm decoder-only transformer: token ids ``[batch, length]`` -> next-token
+    logits ``[batch, length, vocab]``.
+
+    Token embedding (``keras.layers.Embedding``: its gradient is a ``tf.IndexedSlices`` over
+    the rows a batch touches, the only sparse gradient) times sqrt(d_model) plus fixed
+    sinusoidal positions (no weights), ``layers`` blocks (LayerNorm, ``MultiHeadAttention`` with a
+    causal mask, residual; LayerNorm, MLP, residual), a final LayerNorm and a separate output
+    ``Dense(vocab)``. Not tied to the embedding: a tied output's gradient is dense over every
+    row (the softmax touches the whole vocabulary), so the embedding's gradient would be dense
+    too and nothing would show what sparse gradients cost. No dropout.
+
+    ``transformer`` (32000 tokens, length 128, d_model 512, 6 layers, 8 heads, MLP 2048) has
+    51,715,328 parameters in 101 tensors: embedding 16,384,000; blocks 6 x 3,152,384 =
+    18,914,304 (16 tensors each); final LayerNorm 1,024; output 16,416,000 (kernel and bias).
+    ``transformer_tiny`` (256 tokens, length 16, d_model 32, 2 layers, 2 heads, MLP 64) has
+    33,792: embedding 8,192; blocks 17,088; final LayerNorm 64; output 8,448.
+    """
+    import keras
+
+    tokens = keras.Input((shape.length,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(shape.vocab, shape.d_model, name="token_embedding")(tokens)
+    # scaled as in "Attention Is All You Need": the positions must not drown the tokens
+    x = x * np.sqrt(shape.d_model) + sinusoidal_positions(shape.length, shape.d_model)
+    for block in range(shape.layers):
+        h = keras.layers.LayerNormalization(name=f"block{block}_attention_norm")(x)
+        h = keras.layers.MultiHeadAttention(
+            shape.heads, shape.d_model // shape.heads, name=f"block{block}_attention"
+        )(h, h, use_causal_mask=True)
+        x = keras.layers.Add()([x, h])
+        h = keras.layers.LayerNormalization(name=f"block{block}_mlp_norm")(x)
+        h = keras.layers.Dense(shape.mlp, activation="gelu", name=f"block{block}_mlp_in")(h)
+        h = keras.layers.Dense(shape.d_model, name=f"block{block}_mlp_out")(h)
+        x = keras.layers.Add()([x, h])
+    x = keras.layers.LayerNormalization(name="final_norm")(x)
+    logits = keras.layers.Dense(shape.vocab, name="output")(x)
+    return keras.Model(tokens, logits, name="transformer")
+
+
+def sinusoidal_positions(length: int, d_model: int) -> np.ndarray:
+    """The fixed ``[length, d_model]`` position code of "Attention Is All You Need": sines in
+    the even columns, cosines in the odd ones, wavelengths from 2 pi to 10000 * 2 pi."""
+    position = np.arange(length)[:, None]
+    frequency = 10000.0 ** (-np.arange(0, d_model, 2) / d_model)
+    code = np.zeros((length, d_model), dtype=np.float32)
+    code[:, 0::2] = np.sin(position * frequency)
+    code[:, 1::2] = np.cos(position * frequency[: d_model // 2])
+    return code
+
+
 def input_shape(model: str, image_size: int) -> tuple[int, ...]:
     """The shape of one example of ``model``'s synthetic data."""
+    if model in TRANSFORMERS:
+        return (TRANSFORMERS[model].length,)
     return (image_size, image_size, 3) if model == "mobilenetv2" else (784,)
 
 
 def make_model(model: str, image_size: int, seed: int) -> keras.Model:
     """``mlp10m`` (784->2048x3->10, 10.0M parameters), ``mobilenetv2`` (Keras' MobileNetV2,
-    ``weights=None``, 158 trainable tensors) or ``tiny`` (784->64->10, for --quick). The same
-    seed on every process gives every process the same initial weights."""
+    ``weights=None``, 158 trainable tensors), ``tiny`` (784->64->10, for --quick) or a
+    transformer of :data:`TRANSFORMERS` (see :func:`transformer`). The same seed on every
+    process gives every process the same initial weights."""
     import keras
 
     keras.utils.set_random_seed(seed)
@@ -73,13 +160,26 @@ def make_model(model: str, image_size: int, seed: int) -> keras.Model:
         )
     if model == "tiny":
         return mlp(784, (64,))
+    if model in TRANSFORMERS:
+        return transformer(TRANSFORMERS[model])
     raise ValueError(f"model {model!r}: choose from {MODELS}")
+
+
+@cache
+def language(model: str) -> MarkovLanguage:
+    """The synthetic language a transformer of :data:`TRANSFORMERS` reads (seed 0: the same
+    chain in every process)."""
+    shape = TRANSFORMERS[model]
+    return MarkovLanguage(shape.vocab, shape.length, seed=0)
 
 
 def synthetic_batch(
     model: str, image_size: int, batch: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One fixed random batch (float32 inputs, int32 labels), reused every step."""
+    """One fixed batch, reused every step: random float32 inputs and int32 class labels, or,
+    for a transformer, int32 token ids of :func:`language` and their next tokens."""
+    if model in TRANSFORMERS:
+        return language(model).batch(batch, seed)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, *input_shape(model, image_size)), dtype=np.float32)
     y = rng.integers(0, NUM_CLASSES, batch).astype(np.int32)

@@ -1,12 +1,16 @@
-"""Tables (markdown + JSON) and the accuracy plot, from the records rank 0 wrote."""
+"""Tables (markdown + JSON) and the time-to-target plot, from the records rank 0 wrote."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from benchmarks.network.models import COMPRESSORS
+
+if TYPE_CHECKING:
+    from benchmarks.network.tasks import Task
 
 DENSE, FP16 = "identity", "fp16"
 
@@ -117,9 +121,10 @@ def fit_markdown(rows: list[dict], rates: Sequence[str]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def time_to_target(points: list[dict], target: float) -> dict | None:
-    """The first epoch record whose test accuracy reaches ``target``, or None."""
-    return next((p for p in points if p["accuracy"] >= target), None)
+def time_to_target(points: list[dict], task: Task, target: float) -> dict | None:
+    """The first epoch record whose score reaches ``target`` (as ``task`` reads scores), or
+    None."""
+    return next((p for p in points if task.reached(p["score"], target)), None)
 
 
 def curves(records: list[dict]) -> dict[str, list[dict]]:
@@ -131,23 +136,27 @@ def curves(records: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def accuracy_markdown(records: list[dict], target: float) -> str:
-    """A row per compressor: bytes, seconds and epochs to ``target``, final accuracy, seconds."""
+def accuracy_markdown(records: list[dict], task: Task, target: float) -> str:
+    """The target, then a row per compressor: bytes, seconds, steps and epochs to ``target``,
+    final score, training seconds."""
     sent = {r["compressor"]: r["bytes_per_step"] for r in records if r["event"] == "result"}
-    head = ["compressor", "bytes/step/rank", f"s to {target:.0%}", f"epochs to {target:.0%}"]
-    head += ["final acc", "train s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    relation = ">=" if task.higher_is_better else "<="
+    head = ["compressor", "bytes/step/rank", "s to target", "steps to target"]
+    head += ["epochs to target", f"final {task.metric}", "train s"]
+    lines = [f"Target: {task.metric} {relation} {target:g}", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, points in curves(records).items():
-        hit = time_to_target(points, target)
+        hit = time_to_target(points, task, target) or {}
         cells = [_label(name), _fmt(sent.get(name), ",")]
-        cells += [_fmt(hit and hit["seconds"], ".1f"), _fmt(hit and hit["epoch"], "d")]
-        cells += [f"{points[-1]['accuracy']:.4f}", f"{points[-1]['seconds']:.1f}"]
+        cells += [_fmt(hit.get("seconds"), ".1f"), _fmt(hit.get("step"), "d")]
+        cells += [_fmt(hit.get("epoch"), "d")]
+        cells += [f"{points[-1]['score']:.4f}", f"{points[-1]['seconds']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot_accuracy(records: list[dict], target: float, title: str, path: str) -> None:
-    """Test accuracy against training wall-clock seconds, one line per compressor (PNG)."""
+def plot_accuracy(records: list[dict], task: Task, target: float, title: str, path: str) -> None:
+    """``task``'s score against training wall-clock seconds, one line per compressor (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,10 +165,10 @@ def plot_accuracy(records: list[dict], target: float, title: str, path: str) -> 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in curves(records).items():
         seconds = [p["seconds"] for p in points]
-        ax.plot(seconds, [p["accuracy"] for p in points], marker="o", ms=3, label=_label(name))
+        ax.plot(seconds, [p["score"] for p in points], marker="o", ms=3, label=_label(name))
     ax.axhline(target, color="gray", ls="--", lw=1)
     ax.set_xlabel("wall-clock seconds of training (rank 0)")
-    ax.set_ylabel("test accuracy")
+    ax.set_ylabel(task.metric)
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)

@@ -3,12 +3,15 @@
     python -m benchmarks.network                    # throughput table (many minutes)
     python -m benchmarks.network --quick            # tiny model, a few steps, unlimited link
     python -m benchmarks.network --mode accuracy    # time to accuracy at 1gbit, with a PNG
+    python -m benchmarks.network --mode accuracy --models transformer  # time to a target loss
 
 Throughput: for each backend (``horovodrun -np P --gloo`` with ``DistributedOptimizer``;
 ``MultiWorkerMirroredStrategy`` custom loop with ``SparsifiedOptimizer``), model and rate, one
 job whose processes all run inside a private network namespace with ``tc tbf`` on its loopback;
 inside the job the compressors take turns in timed windows (see ``worker.py``). Each job's
-ratios (×dense, ×FP16) come from its own interleaved windows. Needs root and iproute2; without
+ratios (×dense, ×FP16) come from its own interleaved windows. Accuracy: one task of
+``tasks.TASKS`` (``--models``: digits, transformer), its score after each epoch against each
+compressor's training seconds (see ``accuracy_worker.py``). Needs root and iproute2; without
 them it says why and runs unlimited only, outside any namespace.
 """
 
@@ -24,7 +27,14 @@ from contextlib import contextmanager
 
 from benchmarks.network import report
 from benchmarks.network.jobs import HOROVODRUN, JobFailed, horovod_command, mwms_command, run_job
-from benchmarks.network.models import BACKEND_PROBES, COMPRESSORS, MODELS, PROBES
+from benchmarks.network.models import (
+    BACKEND_PROBES,
+    BATCH,
+    COMPRESSORS,
+    MODELS,
+    PROBES,
+    QUICK_MODELS,
+)
 from benchmarks.network.netns import (
     BURST,
     LATENCY,
@@ -33,10 +43,12 @@ from benchmarks.network.netns import (
     shaped_namespace,
     unavailable_reason,
 )
+from benchmarks.network.tasks import TASKS
 
 BACKENDS = ("horovod", "mwms")
 DEFAULTS = {
     "throughput": {
+        "models": "mlp10m,mobilenetv2",
         "rates": "1gbit,10gbit,unlimited",
         "compressors": (
             "identity,fp16,topk1,topk0.1,qsgd4,compute,compute_sync,exchange_topk1,loop_topk1"
@@ -44,12 +56,16 @@ DEFAULTS = {
         "out": "outputs/network_bench",
     },
     "accuracy": {
+        "models": "digits",
         "rates": "1gbit",
         "compressors": "identity,fp16,topk1",
         "out": "outputs/network_accuracy",
     },
 }
-QUICK = {"models": "tiny", "rates": UNLIMITED, "rounds": 2, "window": 3, "warmup": 2, "epochs": 2}
+#: --quick: these settings, and each model replaced by its QUICK_MODELS entry
+QUICK = {"rates": UNLIMITED, "rounds": 2, "window": 3, "warmup": 2, "epochs": 2}
+#: the names --models takes, by mode
+MODEL_NAMES = {"throughput": MODELS, "accuracy": tuple(TASKS)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,14 +76,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--backend", default="horovod,mwms", help=f"throughput: comma list of {BACKENDS}"
     )
-    p.add_argument("--models", default="mlp10m,mobilenetv2", help=f"comma list of {MODELS}")
+    p.add_argument(
+        "--models",
+        help=f"throughput: comma list of {MODELS} (default mlp10m,mobilenetv2); "
+        f"accuracy: one task of {tuple(TASKS)} (default digits)",
+    )
     p.add_argument("--compressors", help=f"comma list of {tuple(COMPRESSORS)}")
     p.add_argument("--rates", help="comma list: tc rates (1gbit, 100mbit, ...) or unlimited")
     p.add_argument("--np", type=int, default=2, help="processes per job")
     p.add_argument("--rounds", type=int, default=5, help="timed windows per configuration")
     p.add_argument("--window", type=int, default=10, help="steps per timed window")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
-    p.add_argument("--batch", type=int, help="per process (throughput 64, accuracy 32)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        help=f"per process; default: throughput {BATCH}, accuracy the task's",
+    )
     p.add_argument("--image-size", type=int, default=32, help="MobileNetV2 input side")
     p.add_argument(
         "--threads",
@@ -82,8 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="give each process its own share of the cores, as separate machines would have "
         "(default; needs at least --np cores)",
     )
-    p.add_argument("--epochs", type=int, default=20, help="accuracy: epochs per compressor")
-    p.add_argument("--target", type=float, default=0.95, help="accuracy: test accuracy to reach")
+    p.add_argument("--epochs", type=int, help="accuracy: epochs per compressor (task's default)")
+    p.add_argument("--target", type=float, help="accuracy: the score to reach (the task's default)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
     p.add_argument("--out", help="path stem for .md/.json (.png in accuracy mode)")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps, unlimited")
@@ -93,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.quick:
         vars(args).update(QUICK, timeout=min(args.timeout, 150))
-    args.batch = args.batch or (64 if args.mode == "throughput" else 32)
+        quick = (QUICK_MODELS.get(m, m) for m in args.models.split(","))
+        args.models = ",".join(dict.fromkeys(quick))
     args.out = os.path.splitext(args.out)[0] if args.out.endswith((".md", ".json")) else args.out
     return check_args(p, args)
 
@@ -109,15 +134,21 @@ def _names(value: str, allowed: tuple[str, ...], what: str, p: argparse.Argument
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Lists split and validated; argparse errors for unknown names or bad rates."""
     args.backend = _names(args.backend, BACKENDS, "--backend", p)
-    args.models = _names(args.models, MODELS, "--models", p)
+    args.models = _names(args.models, MODEL_NAMES[args.mode], "--models", p)
     args.compressors = _names(args.compressors, tuple(COMPRESSORS), "--compressors", p)
     try:
         args.rates = [check_rate(r) for r in args.rates.split(",") if r]
     except ValueError as error:
         p.error(str(error))
-    if args.mode == "accuracy" and len(args.rates) != 1:
-        p.error("--mode accuracy takes one rate")
-    if min(args.np, args.rounds, args.window, args.warmup, args.epochs, args.batch) < 1:
+    if args.mode == "accuracy":
+        if len(args.rates) != 1 or len(args.models) != 1:
+            p.error("--mode accuracy takes one rate and one model")
+        task = TASKS[args.models[0]]
+        for key in ("epochs", "batch", "target"):
+            if getattr(args, key) is None:
+                setattr(args, key, getattr(task, key))
+    counts = (args.np, args.rounds, args.window, args.warmup, args.epochs, args.batch)
+    if min(c for c in counts if c is not None) < 1:
         p.error("--np, --rounds, --window, --warmup, --epochs and --batch must be >= 1")
     return args
 
@@ -168,9 +199,10 @@ def throughput_jobs(args: argparse.Namespace, shaped: bool, tmp: str, rows: list
         results = os.path.join(tmp, f"job{number}.jsonl")
         # each backend runs the compressors and its own probes
         names = [c for c in args.compressors if c not in PROBES or c in BACKEND_PROBES[backend]]
+        batch = BATCH[model] if args.batch is None else args.batch
         worker_args = [
             *("--backend", backend, "--model", model, "--rate", rate, "--results", results),
-            *("--compressors", ",".join(names), "--batch", str(args.batch)),
+            *("--compressors", ",".join(names), "--batch", str(batch)),
             *("--image-size", str(args.image_size), "--warmup", str(args.warmup)),
             *("--rounds", str(args.rounds), "--window", str(args.window)),
             *("--threads", str(args.threads), "--timeout", str(args.timeout)),
@@ -193,23 +225,25 @@ def throughput_jobs(args: argparse.Namespace, shaped: bool, tmp: str, rows: list
 
 
 def accuracy_job(args: argparse.Namespace, shaped: bool, tmp: str, records: list) -> None:
-    """The time-to-accuracy job under horovodrun, printing each epoch; append its records."""
-    (rate,) = args.rates
+    """The time-to-target job under horovodrun, printing each epoch; append its records."""
+    (rate,), (name,) = args.rates, args.models
     results = os.path.join(tmp, "accuracy.jsonl")
     worker_args = [
-        *("--compressors", ",".join(args.compressors), "--rate", rate, "--results", results),
+        *("--task", name, "--compressors", ",".join(args.compressors)),
+        *("--rate", rate, "--results", results),
         *("--epochs", str(args.epochs), "--batch", str(args.batch)),
     ]
 
     def progress(record: dict) -> None:
         if record["event"] == "epoch":
             print(
-                f"  {rate:<10} epoch {record['epoch']:>3}  {record['compressor']:<9}"
-                f" {record['seconds']:8.1f} s  test accuracy {record['accuracy']:.4f}",
+                f"  {rate:<10} epoch {record['epoch']:>3}  step {record['step']:>5}  "
+                f"{record['compressor']:<9} {record['seconds']:8.1f} s  "
+                f"{TASKS[name].metric} {record['score']:.4f}",
                 flush=True,
             )
 
-    print(f"[accuracy] horovod, {args.np} processes, {rate}", flush=True)
+    print(f"[accuracy] {name}, horovod, {args.np} processes, {rate}", flush=True)
     with link(rate, shaped) as prefix:
         command = horovod_command(
             prefix, args.np, "benchmarks.network.accuracy_worker", worker_args
@@ -254,9 +288,10 @@ def write(args: argparse.Namespace, records: list, note: str, complete: bool) ->
         table += report.fit_markdown(rows, args.rates)
     else:
         data["records"] = records
-        table = report.accuracy_markdown(records, args.target)
-        title = f"digits, wide MLP, {args.np} Horovod ranks, {args.rates[0]}"
-        report.plot_accuracy(records, args.target, title, args.out + ".png")
+        task = TASKS[args.models[0]]
+        table = report.accuracy_markdown(records, task, args.target)
+        title = f"{task.title}, {args.np} Horovod ranks, {args.rates[0]}"
+        report.plot_accuracy(records, task, args.target, title, args.out + ".png")
     markdown = f"{table}\nNetwork: {note}.\n\nTiming: {data['timing']}.\n"
     print("\n" + markdown, flush=True)
     for path in report.write_outputs(args.out, markdown, data):

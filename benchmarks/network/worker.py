@@ -281,7 +281,13 @@ def main(argv: list[str] | None = None) -> None:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     make = horovod_trainers if args.backend == "horovod" else mwms_trainers
     rank, size, trainers = make(args)
-    context = {"backend": args.backend, "model": args.model, "rate": args.rate, "ranks": size}
+    context = {
+        "backend": args.backend,
+        "model": args.model,
+        "rate": args.rate,
+        "ranks": size,
+        "batch": args.batch,
+    }
 
     def emit(record: dict) -> None:
         if rank == 0:
