@@ -22,7 +22,8 @@ from tests.conftest import run_python
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 900) -> str:
+def run_ok(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 900) -> str:
+    """Runs ``cmd``; its stdout, or a failure showing the ends of its output."""
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
@@ -49,15 +50,15 @@ def test_pip_install_from_checkout_builds_and_loads_kernels(tmp_path):
     assert not list(checkout.rglob("*.so")), "build outputs must not be copied"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TF_SPARSIFY"))}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    _run([sys.executable, "-m", "venv", str(venv)], work, env)
+    run_ok([sys.executable, "-m", "venv", str(venv)], work, env)
     py = str(venv / "bin" / "python")
     constraints = str(checkout / "constraints.txt")
-    _run([py, "-m", "pip", "install", "-q", "-c", constraints, f"{checkout}[cpu]"], work, env)
+    run_ok([py, "-m", "pip", "install", "-q", "-c", constraints, f"{checkout}[cpu]"], work, env)
 
     run_env = {**env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    built = _run([py, "-m", "tf_sparsify.ops.build"], work, run_env)
+    built = run_ok([py, "-m", "tf_sparsify.ops.build"], work, run_env)
     site = Path(
-        _run(
+        run_ok(
             [py, "-c", "import tf_sparsify, os; print(os.path.dirname(tf_sparsify.__file__))"],
             work,
             run_env,
@@ -66,15 +67,16 @@ def test_pip_install_from_checkout_builds_and_loads_kernels(tmp_path):
     assert site.is_relative_to(venv), site
     assert str(site / "ops" / "lib" / "_tf_sparsify_ops.so") in built
 
-    report = _run([py, "-m", "tf_sparsify", "info"], work, run_env)
+    report = run_ok([py, "-m", "tf_sparsify", "info"], work, run_env)
     assert f"compiled kernels loaded from {site / 'ops' / 'lib'}" in report
+    assert "origin: built from source for TensorFlow" in report
     assert "TopKErrorFeedback: CPU" in report and "QSGDQuantize: CPU" in report
     topk = (
         "import tensorflow as tf; from tf_sparsify import ops\n"
         "v, i, r = ops.topk_error_feedback(tf.constant([1., -5., 2., 0.]), tf.zeros([4]), 2)\n"
         "print(i.numpy().tolist())"
     )
-    assert _run([py, "-c", topk], work, {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"}).strip() == (
+    assert run_ok([py, "-c", topk], work, {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"}).strip() == (
         "[1, 2]"
     )
 
@@ -88,14 +90,14 @@ def test_sdist_and_wheel_carry_the_kernel_sources(tmp_path):
     checkout = tmp_path / "checkout"
     _copy_checkout(checkout)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TF_SPARSIFY"))}
-    _run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], checkout, env)
+    run_ok([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], checkout, env)
     (sdist,) = (tmp_path / "dist").glob("tf_sparsify-*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = archive.getnames()
     top = names[0].split("/")[0]
     for source in KERNEL_SOURCES:
         assert f"{top}/custom_ops/{source}" in names
-    _run(
+    run_ok(
         [
             sys.executable,
             "-m",

@@ -9,7 +9,8 @@ import tf_sparsify
 
 #: each command and what it does, as ``--help`` lists them
 COMMANDS = {
-    "info": "which compiled kernels are loaded, for which devices and CUDA versions",
+    "info": "which compiled kernels are loaded, whence (wheel or source build), for which "
+    "devices and CUDA versions",
     "whatif": "predicted step time of each exchange method on a network "
     "(python -m tf_sparsify whatif --help)",
 }

@@ -8,15 +8,21 @@ The build writes into the first of:
    read-only installs such as a system-wide site-packages.
 
 The loader tries (2) then (3) and takes the first whose ``build_info.json`` names the running
-TensorFlow version.
+TensorFlow's minor version.
+
+A platform wheel (``make wheel``) carries a library in (2), built for one TensorFlow minor
+version, with ``"wheel"`` in its build info; ``python -m tf_sparsify.ops.build`` replaces it
+when the package folder is writable.
 
 The kernel sources live in the checkout's top-level ``custom_ops/`` (``cc/ops``, ``cc/kernels``,
 ``cuda``, ``include``); an installed package carries the same tree as ``tf_sparsify/ops/src/``
 (``setup.py`` maps one onto the other), so the build finds them either way.
+:func:`sources_fingerprint` names what a build compiled, so a build can be proven current.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -33,6 +39,22 @@ SOURCE_DIR = (
     if (_ROOT / "setup.cfg").is_file() and (_ROOT / "custom_ops").is_dir()
     else Path(__file__).resolve().parent / "src"
 )
+
+SOURCE_SUFFIXES = (".cc", ".h", ".cu", ".cuh")
+#: the build recipe (source list, compiler flags), part of :func:`sources_fingerprint`
+BUILD_SCRIPT = Path(__file__).resolve().parent / "build.py"
+
+
+def sources_fingerprint() -> str:
+    """SHA-256 of the kernel sources (paths and contents) and the build recipe: equal
+    fingerprints mean a library was built from the same code with the same flags."""
+    sources = sorted(p for p in SOURCE_DIR.rglob("*") if p.suffix in SOURCE_SUFFIXES)
+    named = [(p.relative_to(SOURCE_DIR).as_posix(), p) for p in sources]
+    digest = hashlib.sha256()
+    for name, path in [*named, ("build.py", BUILD_SCRIPT)]:
+        content = path.read_bytes()
+        digest.update(f"{name}\0{len(content)}\0".encode() + content)
+    return digest.hexdigest()
 
 
 def cache_dir(tf_version: str) -> Path:
