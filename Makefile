@@ -6,7 +6,7 @@ VENV ?= .venv
 EXTRAS ?= cpu,demo,test
 PY := $(VENV)/bin/python
 
-.PHONY: setup ops horovod sysdeps demo test lint format bench-network
+.PHONY: setup ops horovod sysdeps demo test lint format bench-network docs wheel
 
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ ops: $(VENV)/.installed
 	$(PY) -m tf_sparsify.ops.build
 
 setup: ops
+
+# A platform wheel with the compiled kernels for this TensorFlow, and the sdist, into dist/.
+wheel: ops
+	$(PY) scripts/build_wheel.py
 
 horovod: setup
 	bash scripts/install_horovod.sh $(VENV)
@@ -32,6 +36,10 @@ demo: setup
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The documentation site (mkdocs.yml, docs/) into site/; warnings are errors.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # Rate-limited links need root; BENCH_ARGS, e.g. "--quick" or "--mode accuracy".
 bench-network: setup horovod sysdeps

@@ -6,6 +6,12 @@ CPU devices. Prints a table (test accuracy, bytes per step, compression ratio, w
 writes a PNG of test accuracy against cumulative bytes sent.
 
     python examples/digits_demo.py --epochs 20 --replicas 2 --compressors dense,topk1,qsgd4
+    python examples/digits_demo.py --seeds 5   # mean and spread of the accuracy over 5 seeds
+
+On one machine a run repeats exactly. Another CPU can round differently (TensorFlow's oneDNN
+kernels are chosen by instruction set: with ``ONEDNN_MAX_CPU_ISA=AVX2`` on an AVX-512 machine,
+TopK 0.1% bfloat16 ends at 0.9756 instead of 0.9822), the runs drift apart, and the accuracy
+moves by about its spread over seeds, which ``--seeds`` measures.
 """
 
 from __future__ import annotations
@@ -83,15 +89,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--data", default=None, help="local MNIST .npz instead of digits")
     p.add_argument("--out", default="outputs/digits_demo.png", help="PNG path")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first seed")
+    p.add_argument("--seeds", type=int, default=1, help="runs per method, seeds seed, seed+1, ...")
     p.add_argument("--verbose", type=int, default=1, help="Keras progress bar verbosity")
     args = p.parse_args(argv)
     names = args.compressors.split(",")
     unknown = [n for n in names if n not in COMPRESSORS]
     if unknown:
         p.error(f"unknown compressors {unknown}; choose from {sorted(COMPRESSORS)}")
-    if args.replicas < 1 or args.epochs < 1:
-        p.error("--replicas and --epochs must be >= 1")
+    if args.replicas < 1 or args.epochs < 1 or args.seeds < 1:
+        p.error("--replicas, --epochs and --seeds must be >= 1")
     args.names = names
     return args
 
@@ -119,59 +126,77 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * args.replicas
     )
-    x_tr, y_tr, x_te, y_te = load_data(args.data)
+    data = load_data(args.data)
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.replicas)])
-    steps_per_epoch = -(-len(x_tr) // args.batch_size)
+    seeds = range(args.seed, args.seed + args.seeds)
     rows = []
     for name in args.names:
-        label, make, lr_factor = COMPRESSORS[name]
-        keras.utils.set_random_seed(args.seed)
-        with strategy.scope():
-            model = keras.Sequential(
-                [
-                    keras.Input(x_tr.shape[1:]),
-                    keras.layers.Dense(256, activation="relu"),
-                    keras.layers.Dense(128, activation="relu"),
-                    keras.layers.Dense(10),
-                ]
-            )
-            optimizer = keras.optimizers.SGD(args.lr * lr_factor, momentum=0.9)
-            if make is not None:
-                optimizer = tfs.SparsifiedOptimizer(optimizer, make())
-            model.compile(
-                optimizer,
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=["accuracy"],
-            )
-        curve = AccuracyCurve(x_te, y_te)
-        callbacks = [curve] if make is None else [tfs.CompressionStats(), curve]
-        print(f"\n== {label} ==")
-        start = time.perf_counter()
-        history = model.fit(
-            x_tr,
-            y_tr,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            verbose=args.verbose,
-            callbacks=callbacks,
-        )
-        wall = time.perf_counter() - start
-        dense = 4 * sum(int(np.prod(w.shape)) for w in model.trainable_weights)
-        per_step = history.history["bytes_per_step"][-1] if make else float(dense)
-        rows.append(
-            {
-                "name": label,
-                "accuracy": curve.accuracies[-1],
-                "bytes_per_step": per_step,
-                "ratio": dense / per_step,
-                "wall_s": wall,
-                "cumulative": [per_step * steps_per_epoch * (e + 1) for e in range(args.epochs)],
-                "curve": curve.accuracies,
-            }
-        )
+        label = COMPRESSORS[name][0]
+        runs = []
+        for seed in seeds:
+            print(f"\n== {label}, seed {seed} ==")
+            runs.append(train(name, seed, data, strategy, args))
+        rows.append(summarize(label, runs, len(data[0]), args))
     print_table(rows, args)
     plot(rows, args.out)
     return rows
+
+
+def train(name: str, seed: int, data: tuple, strategy, args: argparse.Namespace) -> dict:
+    """One run of one method: test accuracy after every epoch, bytes per step, wall time."""
+    _, make, lr_factor = COMPRESSORS[name]
+    x_tr, y_tr, x_te, y_te = data
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input(x_tr.shape[1:]),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        optimizer = keras.optimizers.SGD(args.lr * lr_factor, momentum=0.9)
+        if make is not None:
+            optimizer = tfs.SparsifiedOptimizer(optimizer, make())
+        model.compile(
+            optimizer,
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    curve = AccuracyCurve(x_te, y_te)
+    callbacks = [curve] if make is None else [tfs.CompressionStats(), curve]
+    start = time.perf_counter()
+    history = model.fit(
+        x_tr,
+        y_tr,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        verbose=args.verbose,
+        callbacks=callbacks,
+    )
+    wall = time.perf_counter() - start
+    dense = 4 * sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    per_step = history.history["bytes_per_step"][-1] if make else float(dense)
+    return {"curve": curve.accuracies, "bytes_per_step": per_step, "dense": dense, "wall_s": wall}
+
+
+def summarize(label: str, runs: list[dict], train_size: int, args: argparse.Namespace) -> dict:
+    """A table row: accuracy over the seeds (mean, standard deviation, each), bytes, time."""
+    finals = [run["curve"][-1] for run in runs]
+    per_step = runs[0]["bytes_per_step"]  # exact, the same for every seed
+    steps_per_epoch = -(-train_size // args.batch_size)
+    return {
+        "name": label,
+        "accuracy": float(np.mean(finals)),
+        "std": float(np.std(finals, ddof=1)) if len(finals) > 1 else None,
+        "per_seed": finals,
+        "bytes_per_step": per_step,
+        "ratio": runs[0]["dense"] / per_step,
+        "wall_s": float(np.mean([run["wall_s"] for run in runs])),
+        "cumulative": [per_step * steps_per_epoch * (e + 1) for e in range(args.epochs)],
+        "curve": list(np.mean([run["curve"] for run in runs], axis=0)),
+    }
 
 
 class AccuracyCurve(keras.callbacks.Callback):
@@ -188,15 +213,27 @@ class AccuracyCurve(keras.callbacks.Callback):
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
-    print(f"\n{args.replicas} replicas, {args.epochs} epochs, global batch {args.batch_size}")
-    header = f"{'method':<26}{'test acc':>9}{'bytes/step':>13}{'ratio':>9}{'wall s':>9}"
+    seeds = (
+        f"seed {args.seed}"
+        if args.seeds == 1
+        else f"seeds {args.seed}-{args.seed + args.seeds - 1}"
+    )
+    print(
+        f"\n{args.replicas} replicas, {args.epochs} epochs, global batch {args.batch_size}, {seeds}"
+    )
+    header = f"{'method':<26}{'test acc':>9}{'± std':>8}{'bytes/step':>13}{'ratio':>9}{'wall s':>9}"
     print(header)
     print("-" * len(header))
     for r in rows:
+        std = "-" if r["std"] is None else f"{r['std']:.4f}"
         print(
-            f"{r['name']:<26}{r['accuracy']:>9.4f}{r['bytes_per_step']:>13,.0f}"
+            f"{r['name']:<26}{r['accuracy']:>9.4f}{std:>8}{r['bytes_per_step']:>13,.0f}"
             f"{r['ratio']:>8.1f}x{r['wall_s']:>9.1f}"
         )
+    if args.seeds > 1:
+        print("\ntest accuracy per seed (mean and std over seeds above; wall s: mean per run)")
+        for r in rows:
+            print(f"{r['name']:<26}" + "".join(f"{a:>9.4f}" for a in r["per_seed"]))
 
 
 def plot(rows: list[dict], path: str) -> None:

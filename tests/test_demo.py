@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.conftest import ROOT
 
@@ -40,12 +41,13 @@ def test_digits_demo_prints_table_and_writes_png(tmp_path):
     rows = {line.split("  ")[0]: line.split() for line in proc.stdout.splitlines()}
     topk = rows["TopK 1% + EF"]
     assert float(topk[-2].rstrip("x")) > 40  # compression ratio of TopK 1% on this MLP
-    assert 0.5 < float(topk[-4]) <= 1.0  # test accuracy after 2 epochs
+    assert topk[-4] == "-"  # no spread from one seed
+    assert 0.5 < float(topk[-5]) <= 1.0  # test accuracy after 2 epochs
     assert float(rows["QSGD s=4"][-2].rstrip("x")) > 3.9
     assert png.stat().st_size > 10_000
 
 
-def test_demo_reads_a_local_mnist_npz(tmp_path):
+def test_demo_reads_a_local_mnist_npz_and_reports_the_spread_over_seeds(tmp_path):
     rng = np.random.default_rng(0)
     data = tmp_path / "mnist.npz"
     np.savez(
@@ -60,14 +62,19 @@ def test_demo_reads_a_local_mnist_npz(tmp_path):
         "--epochs=1",
         "--replicas=1",
         "--compressors=topk1",
+        "--seeds=2",
         "--verbose=0",
         f"--out={tmp_path / 'm.png'}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "1 replicas, 1 epochs" in proc.stdout
+    assert "1 replicas, 1 epochs, global batch 64, seeds 0-1" in proc.stdout
     # 784-256-128-10 MLP: TopK 1% of each tensor, 8 bytes per kept entry
     dense = 4 * (784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10)
     assert f"{dense:,}" not in proc.stdout and "TopK 1% + EF" in proc.stdout
+    row, per_seed = (line.split() for line in proc.stdout.splitlines() if line.startswith("TopK"))
+    first, second = map(float, per_seed[-2:])  # the accuracy of each seed
+    assert float(row[-5]) == pytest.approx((first + second) / 2, abs=1e-4)
+    assert float(row[-4]) == pytest.approx(abs(first - second) / 2**0.5, abs=1e-4)
 
 
 def test_demo_rejects_unknown_compressor():

@@ -30,14 +30,16 @@ class ServerOptimizer(SparsifiedOptimizer):
     and the inner optimizer applies what the server returns.
 
     Args:
-        inner_optimizer, compressor: as for ``SparsifiedOptimizer``; its other keyword
-            arguments (``error_feedback``, ``scope``, ``min_size``, ...) work the same.
+        inner_optimizer: as for ``SparsifiedOptimizer``.
+        compressor: as for ``SparsifiedOptimizer``.
         server: the server stage.
         workers: ``None``: the workers are the replicas of the current ``tf.distribute``
             strategy (one device: one worker). An integer ``P``: ``P`` workers simulated on one
             replica; ``apply`` then takes per-worker gradients stacked as ``[P, *shape]`` (see
             :class:`~tf_sparsify.distribute.SimulatedWorkers` for ``fit``), residuals are
             ``[P, *shape]`` and each worker's contribution is its gradient divided by ``P``.
+        **kwargs: ``SparsifiedOptimizer``'s other keyword arguments (``error_feedback``,
+            ``scope``, ``min_size``, ...), which work the same.
 
     The server tables are optimizer variables (checkpointed, saved in ``.keras`` files), one
     per trainable variable; under a strategy every replica holds the same table (sync-on-read,

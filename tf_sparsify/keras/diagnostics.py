@@ -54,7 +54,9 @@ class CompressionDiagnostics(keras.callbacks.Callback):
             and the keys above.
     """
 
-    def __init__(self, every_n_steps: int = 50, log_dir: str | None = None, per_layer=False):
+    def __init__(
+        self, every_n_steps: int = 50, log_dir: str | None = None, per_layer: bool = False
+    ):
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
             raise ValueError(f"`every_n_steps` must be an integer >= 1; received {every_n_steps!r}")
