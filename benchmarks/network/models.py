@@ -24,6 +24,7 @@ NUM_CLASSES = 10
 COMPRESSORS = {
     "identity": "Identity (dense)",
     "fp16": "FP16",
+    "bf16": "BF16",
     "topk1": "TopK 1% + EF",
     "topk0.1": "TopK 0.1% + EF",
     "qsgd4": "QSGD s=4 (one bucket per tensor)",
@@ -193,6 +194,7 @@ def make_compressor(name: str) -> tfs.Compressor:
     factories = {
         "identity": lambda: tfs.Identity(),
         "fp16": lambda: tfs.FP16(),
+        "bf16": lambda: tfs.BF16(),
         "topk1": lambda: tfs.TopK(ratio=0.01),
         "topk0.1": lambda: tfs.TopK(ratio=0.001),
         "qsgd4": lambda: tfs.QSGD(levels=4),

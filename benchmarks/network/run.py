@@ -51,7 +51,7 @@ DEFAULTS = {
         "models": "mlp10m,mobilenetv2",
         "rates": "1gbit,10gbit,unlimited",
         "compressors": (
-            "identity,fp16,topk1,topk0.1,qsgd4,compute,compute_sync,exchange_topk1,loop_topk1"
+            "identity,fp16,bf16,topk1,topk0.1,qsgd4,compute,compute_sync,exchange_topk1,loop_topk1"
         ),
         "out": "outputs/network_bench",
     },
@@ -271,9 +271,9 @@ def timing_note(args: argparse.Namespace) -> str:
         )
     return (
         f"ms/step: best of {args.rounds} windows of {args.window} steps after {args.warmup} "
-        "warm-up steps; the compressors take turns window by window inside one job per "
-        "(backend, model, rate); ×dense = dense ms / this ms (> 1: faster than dense), "
-        f"×FP16 likewise; {cores_note(args)}"
+        "warm-up steps, each window timed by its slowest process; the compressors take turns "
+        "window by window inside one job per (backend, model, rate); ×dense = dense ms / this "
+        f"ms (> 1: faster than dense), ×FP16 likewise; {cores_note(args)}"
     )
 
 

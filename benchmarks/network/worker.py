@@ -4,8 +4,10 @@ Every process builds one model and optimizer per compressor (the same seed, so t
 initial weights on every process), runs ``--warmup`` untimed steps of each (tracing, the
 first-step plan check), then ``--rounds`` rounds in which each compressor in turn runs a window
 of ``--window`` steps (A B C A B C ...). Each step ends with its loss read back, so a window's
-wall time covers every step in it. Rank 0 appends one JSON line per window and one per
-compressor at the end to ``--results``.
+wall time covers every step in it; a window counts the slowest process's time (gathered after
+it, untimed): a synchronous step waits for that process, and for the ``compute`` probe it is the
+best pace a synchronous job of these processes could keep. Rank 0 appends one JSON line per
+window and one per compressor at the end to ``--results``.
 
 - horovod: ``tf_sparsify.horovod.DistributedOptimizer`` compiled into the model
   (``jit_compile=False``); a step is ``model.train_on_batch`` (Keras' compiled train function).
@@ -56,6 +58,10 @@ from benchmarks.network.models import (  # noqa: E402
 SEED = 0
 
 
+#: seconds a window took on this process -> the slowest process's seconds
+Slowest = Callable[[float], float]
+
+
 @dataclass
 class Trainer:
     """One compressor's model and optimizer; ``run(n)`` trains ``n`` steps to completion and
@@ -94,8 +100,8 @@ def loss_fn() -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]:
-    """``(rank, size, trainers)`` under ``horovodrun``."""
+def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Slowest]:
+    """``(rank, size, trainers, slowest)`` under ``horovodrun``."""
     import horovod.tensorflow as hvd
 
     import tf_sparsify.horovod as th
@@ -124,7 +130,11 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]
             return loss
 
         trainers.append(Trainer(name, one_by_one(step), optimizer))
-    return hvd.rank(), hvd.size(), trainers
+
+    def slowest(seconds: float) -> float:
+        return float(hvd.allreduce(tf.constant(seconds), op=hvd.Max, name="window_seconds"))
+
+    return hvd.rank(), hvd.size(), trainers, slowest
 
 
 def exchange_only(optimizer) -> Callable[[], float]:
@@ -153,8 +163,8 @@ def exchange_only(optimizer) -> Callable[[], float]:
     return lambda: float(move())
 
 
-def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]:
-    """``(rank, size, trainers)`` in a worker started with a ``TF_CONFIG``."""
+def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Slowest]:
+    """``(rank, size, trainers, slowest)`` in a worker started with a ``TF_CONFIG``."""
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.timeout)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     rank, size = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
@@ -183,7 +193,15 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer]]:
                 model.compile(optimizer, loss_fn())
             run = fit_steps(model, dataset)
         trainers.append(Trainer(name, run, optimizer))
-    return rank, size, trainers
+
+    def slowest(seconds: float) -> float:
+        def gather(t: tf.Tensor) -> tf.Tensor:
+            return tf.distribute.get_replica_context().all_gather(t[None], axis=0)
+
+        each = strategy.run(gather, args=(tf.constant(seconds),))
+        return float(tf.reduce_max(strategy.experimental_local_results(each)[0]))
+
+    return rank, size, trainers, slowest
 
 
 def fit_steps(model: keras.Model, dataset: tf.data.Dataset) -> Callable[[int], float]:
@@ -222,15 +240,19 @@ def loop_step(strategy, model, optimizer, x, y) -> Callable[[], float]:
 
 
 def timed_rounds(
-    trainers: list[Trainer], args: argparse.Namespace, emit: Callable[[dict], None]
+    trainers: list[Trainer],
+    slowest: Slowest,
+    args: argparse.Namespace,
+    emit: Callable[[dict], None],
 ) -> dict[str, list[float]]:
-    """Warm every trainer up, then interleave timed windows; ms/step per window, by compressor."""
+    """Warm every trainer up, then interleave timed windows; ms/step per window (the slowest
+    process's), by compressor."""
     for trainer in trainers:
         trainer.run(args.warmup)
     windows: dict[str, list[float]] = {t.compressor: [] for t in trainers}
     for round_index in range(args.rounds):
         for trainer in trainers:
-            ms = 1e3 * trainer.run(args.window) / args.window
+            ms = 1e3 * slowest(trainer.run(args.window)) / args.window
             windows[trainer.compressor].append(ms)
             emit(
                 {
@@ -280,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     make = horovod_trainers if args.backend == "horovod" else mwms_trainers
-    rank, size, trainers = make(args)
+    rank, size, trainers, slowest = make(args)
     context = {
         "backend": args.backend,
         "model": args.model,
@@ -294,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.results, "a") as f:
                 f.write(json.dumps({**context, **record}) + "\n")
 
-    windows = timed_rounds(trainers, args, emit)
+    windows = timed_rounds(trainers, slowest, args, emit)
     for trainer in trainers:
         emit(summary(trainer, windows[trainer.compressor]))
 
