@@ -1,7 +1,7 @@
 """The bandwidth benchmark (``benchmarks/network``).
 
-``python -m benchmarks.network --quick`` runs end to end once for the module: real
-``horovodrun -np 2 --gloo`` and real MultiWorkerMirroredStrategy worker processes, every
+``python -m benchmarks.network --quick --momentum 0.9`` runs end to end once for the module:
+real ``horovodrun -np 2 --gloo`` and real MultiWorkerMirroredStrategy worker processes, every
 compressor, a tiny model, an unlimited link, inside a private network namespace where root and
 iproute2 allow it (outside otherwise). The tiny transformer runs too, smaller: Horovod with three
 compressors, and the accuracy mode's next-token task for two epochs. The tests assert what it
@@ -13,11 +13,13 @@ The no-root fallback is checked through ``TF_SPARSIFY_BENCH_NO_ROOT=1``; the nam
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
 
@@ -26,6 +28,7 @@ from benchmarks.network.affinity import local_rank, rank_cores
 from benchmarks.network.jobs import JobFailed, run_job
 from benchmarks.network.models import BACKEND_PROBES, COMPRESSORS, PROBES
 from benchmarks.network.netns import PRETEND_NO_ROOT_ENV, shaped_namespace, unavailable_reason
+from benchmarks.network.steps import lockstep_floor, slowest_pace
 from benchmarks.network.tasks import TASKS
 from tests.conftest import ROOT
 
@@ -36,6 +39,7 @@ NAMES = {
     for backend in BACKENDS
 }
 TIMEOUT_S = 300
+MOMENTUM = 0.9  # the quick run's inner SGD
 
 
 def run_quick(stem: str, *argv: str) -> tuple[str, dict, str]:
@@ -63,8 +67,9 @@ def run_quick(stem: str, *argv: str) -> tuple[str, dict, str]:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> tuple[str, dict, str]:
-    """The quick run: both backends, every compressor and probe, the tiny MLP."""
-    return run_quick(str(tmp_path_factory.mktemp("network_bench") / "bench"))
+    """The quick run: both backends, every compressor and probe, the tiny MLP, SGD momentum."""
+    stem = str(tmp_path_factory.mktemp("network_bench") / "bench")
+    return run_quick(stem, "--momentum", str(MOMENTUM))
 
 
 def _rows(data: dict) -> dict[tuple[str, str], dict]:
@@ -80,8 +85,13 @@ def test_a_row_per_backend_and_compressor(quick):
         for name in NAMES[backend]:
             row = rows[(backend, name)]
             assert (row["model"], row["rate"], row["ranks"]) == ("tiny", "unlimited", 2)
+            assert row["momentum"] == MOMENTUM
             assert row["best_ms"] > 0 and row["median_ms"] >= row["best_ms"]
-            assert len(row["windows_ms"]) == settings["rounds"]
+            assert len(row["windows_ms"]) == len(row["floor_windows_ms"]) == settings["rounds"]
+            # each window's floor is at least its ms/step, so the best ones keep that order
+            assert math.isfinite(row["floor_ms"])
+            assert row["floor_ms"] == min(row["floor_windows_ms"])
+            assert row["floor_ms"] >= row["best_ms"] * (1 - 1e-9)
             steps = settings["warmup"] + settings["rounds"] * settings["window"]
             local = name in ("compute", "compute_sync")  # exchange nothing
             assert row["steps"] == (0 if local else steps)
@@ -119,13 +129,38 @@ def test_progress_and_tables(quick):
     windows = [line for line in stdout.splitlines() if "ms/step" in line and "round" in line]
     assert len(windows) == sum(len(n) for n in NAMES.values()) * settings["rounds"]
     for backend in BACKENDS:
-        assert f"### {backend}, tiny, 2 ranks" in markdown
+        assert f"### {backend}, tiny, 2 ranks, SGD momentum {MOMENTUM:g}" in markdown
+        assert f"| {backend}, tiny | unlimited | " in markdown  # the lockstep floor's row
     for name, label in COMPRESSORS.items():
         assert markdown.count(f"| {label} |") == sum(name in n for n in NAMES.values())
     for probe in ("compute", "compute_sync"):  # the overlap lines
         assert f"- horovod, tiny, {probe}: unlimited: " in markdown
     assert "- mwms, tiny: unlimited: " in markdown  # model.fit against the custom loop
     assert "unlimited ×dense" in markdown and "best of" in markdown
+    assert "### Lockstep floor" in markdown and "lockstep floor: each process" in data["timing"]
+
+
+def test_lockstep_floor_of_a_window():
+    """Two ranks, three steps: each rank's window is 6 s and 5 s (slowest pace 2 s/step), but
+    in lockstep every step waits for the slower rank: (2 + 3 + 2) / 3."""
+    step_times = np.array([[1.0, 3.0, 2.0], [2.0, 1.0, 2.0]])
+    assert slowest_pace(step_times) == 2.0
+    assert lockstep_floor(step_times) == pytest.approx(7 / 3)
+    assert lockstep_floor(step_times[:1]) == slowest_pace(step_times[:1]) == 2.0  # one rank
+    for bad in (np.ones(3), np.ones((2, 0)), np.array([[1.0, np.nan]]), -np.ones((2, 2))):
+        with pytest.raises(ValueError, match="step_times must be"):
+            lockstep_floor(bad)
+
+
+def test_floor_table_reads_its_ratios_from_one_job():
+    job = {"backend": "horovod", "model": "m", "rate": "unlimited", "ranks": 2, "momentum": 0}
+    ms = {"compute": (100.0, 110.0), "compute_sync": (112.2, 112.2), "topk1": (121.0, 121.0)}
+    rows = [job | {"compressor": c, "best_ms": b, "floor_ms": f} for c, (b, f) in ms.items()]
+    table = report.floor_markdown(rows, ["1gbit", "unlimited"])
+    assert "| horovod, m | unlimited | 100.0 | 110.0 | 1.100 | 1.210 | 1.100 | 1.020 |" in table
+    assert "1gbit" not in table  # no job at that rate
+    no_probes = [r for r in rows if r["compressor"] == "topk1"]
+    assert report.floor_markdown(no_probes, ["unlimited"]) == ""
 
 
 def test_the_report_says_how_processes_share_the_cores(quick):
@@ -201,11 +236,20 @@ def test_without_root_it_says_so_and_runs_unlimited_only(monkeypatch, capsys):
         assert prefix == []
 
 
-def test_bad_arguments_are_rejected():
+def test_bad_arguments_are_rejected(capsys):
     bad = (["--rates", "fast"], ["--compressors", "topk7"], ["--backend", "mpi"], ["--np", "0"])
     for argv in bad:
         with pytest.raises(SystemExit):
             run.parse_args(argv)
+    for argv, message in (
+        (["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
+        (["--momentum", "-0.5"], "--momentum must be in [0, 1), got -0.5"),
+        (["--mode", "accuracy", "--momentum", "0.9"], "--momentum is for --mode throughput"),
+    ):
+        with pytest.raises(SystemExit):
+            run.parse_args(argv)
+        assert message in capsys.readouterr().err
+    assert run.parse_args(["--momentum", "0.9"]).momentum == 0.9
     with pytest.raises(SystemExit):
         run.parse_args(["--mode", "accuracy", "--rates", "1gbit,10gbit"])
 
@@ -272,9 +316,10 @@ def test_quick_transformer_throughput(tmp_path):
     assert set(rows) == set(names)
     for row in rows.values():
         assert (row["model"], row["batch"], row["ranks"]) == ("transformer_tiny", 8, 2)
+        assert row["momentum"] == 0.0  # the default: plain SGD
         assert row["best_ms"] > 0
     assert 0 < rows["topk1"]["bytes_per_step"] < rows["identity"]["bytes_per_step"]
-    assert "### horovod, transformer_tiny, 2 ranks" in markdown
+    assert "### horovod, transformer_tiny, 2 ranks, SGD momentum 0" in markdown
     assert stdout.count("transformer_tiny") >= len(names) * data["settings"]["rounds"]
 
 

@@ -44,14 +44,15 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def throughput_markdown(rows: list[dict], rates: Sequence[str], compressors: Sequence[str]) -> str:
-    """One table per (backend, model): a row per compressor, per rate ms/step, ×dense, ×FP16."""
+    """One table per (backend, model), headed by its ranks and the inner SGD's momentum: a row
+    per compressor, per rate ms/step, ×dense, ×FP16."""
     index = {(r["backend"], r["model"], r["rate"], r["compressor"]): r for r in rows}
-    jobs = list(dict.fromkeys((r["backend"], r["model"], r["ranks"]) for r in rows))
+    jobs = list(dict.fromkeys((r["backend"], r["model"], r["ranks"], r["momentum"]) for r in rows))
     head = ["compressor", "bytes/step/rank"]
     head += [f"{rate} {col}" for rate in rates for col in ("ms/step", "×dense", "×FP16")]
     parts = []
-    for backend, model, ranks in jobs:
-        lines = [f"### {backend}, {model}, {ranks} ranks", ""]
+    for backend, model, ranks, momentum in jobs:
+        lines = [f"### {backend}, {model}, {ranks} ranks, SGD momentum {momentum:g}", ""]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for name in compressors:
             found = [index.get((backend, model, rate, name)) for rate in rates]
@@ -69,6 +70,38 @@ def throughput_markdown(rows: list[dict], rates: Sequence[str], compressors: Seq
             lines.append("| " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def floor_markdown(rows: list[dict], rates: Sequence[str]) -> str:
+    """Per (backend, model, rate) with the compute-only probe: its step, its lockstep floor
+    (mean over steps of the slowest process's step), their ratio, and TopK 1% and compute in
+    lockstep against each; "–" where a configuration did not run."""
+    best = _best_ms(rows)
+    floor = {
+        (r["backend"], r["model"], r["rate"]): r["floor_ms"]
+        for r in rows
+        if r["compressor"] == "compute"
+    }
+    head = ["backend, model", "rate", "compute ms/step", "floor ms/step", "floor / compute"]
+    head += ["TopK 1% / compute", "TopK 1% / floor", "compute + lockstep / floor"]
+    lines = []
+    for backend, model in dict.fromkeys((r["backend"], r["model"]) for r in rows):
+        for rate in rates:
+            job = (backend, model, rate)
+            if job not in floor:
+                continue
+            compute, lowest = best[(*job, "compute")], floor[job]
+            topk, sync = (best.get((*job, name)) for name in ("topk1", "compute_sync"))
+            cells = [f"{backend}, {model}", rate, f"{compute:.1f}", f"{lowest:.1f}"]
+            cells.append(f"{lowest / compute:.3f}")
+            cells += [_fmt(None if topk is None else topk / compute, ".3f")]
+            cells += [_fmt(None if ms is None else ms / lowest, ".3f") for ms in (topk, sync)]
+            lines.append("| " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    title = "\n### Lockstep floor: mean over steps of the slowest process's compute-only step\n\n"
+    table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines]
+    return title + "\n".join(table) + "\n"
 
 
 def overlap_markdown(rows: list[dict], rates: Sequence[str]) -> str:

@@ -94,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--image-size", type=int, default=32, help="MobileNetV2 input side")
     p.add_argument(
+        "--momentum",
+        type=float,
+        default=0.0,
+        help="throughput: the inner SGD's momentum, in [0, 1) (default 0: plain SGD)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -147,6 +153,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         for key in ("epochs", "batch", "target"):
             if getattr(args, key) is None:
                 setattr(args, key, getattr(task, key))
+    if not 0 <= args.momentum < 1:
+        p.error(f"--momentum must be in [0, 1), got {args.momentum}")
+    if args.mode == "accuracy" and args.momentum:
+        p.error(
+            f"--momentum is for --mode throughput (a task picks its optimizer), got {args.momentum}"
+        )
     counts = (args.np, args.rounds, args.window, args.warmup, args.epochs, args.batch)
     if min(c for c in counts if c is not None) < 1:
         p.error("--np, --rounds, --window, --warmup, --epochs and --batch must be >= 1")
@@ -204,6 +216,7 @@ def throughput_jobs(args: argparse.Namespace, shaped: bool, tmp: str, rows: list
             *("--backend", backend, "--model", model, "--rate", rate, "--results", results),
             *("--compressors", ",".join(names), "--batch", str(batch)),
             *("--image-size", str(args.image_size), "--warmup", str(args.warmup)),
+            *("--momentum", str(args.momentum)),
             *("--rounds", str(args.rounds), "--window", str(args.window)),
             *("--threads", str(args.threads), "--timeout", str(args.timeout)),
         ]
@@ -273,7 +286,12 @@ def timing_note(args: argparse.Namespace) -> str:
         f"ms/step: best of {args.rounds} windows of {args.window} steps after {args.warmup} "
         "warm-up steps, each window timed by its slowest process; the compressors take turns "
         "window by window inside one job per (backend, model, rate); ×dense = dense ms / this "
-        f"ms (> 1: faster than dense), ×FP16 likewise; {cores_note(args)}"
+        f"ms (> 1: faster than dense), ×FP16 likewise; {cores_note(args)}; lockstep floor: each "
+        "process times every step of a window (to its loss read back, which every step does "
+        "anyway; nothing is added between processes inside the window), the step times are "
+        "gathered after the window, and the floor is the mean over steps of the slowest "
+        "process's step (best window): what steps that each wait for the slowest process cost "
+        "at least, given the processes' per-step jitter"
     )
 
 
@@ -284,6 +302,7 @@ def write(args: argparse.Namespace, records: list, note: str, complete: bool) ->
     if args.mode == "throughput":
         data["rows"] = rows = report.with_ratios(records)
         table = report.throughput_markdown(rows, args.rates, args.compressors)
+        table += report.floor_markdown(rows, args.rates)
         table += report.overlap_markdown(rows, args.rates)
         table += report.fit_markdown(rows, args.rates)
     else:

@@ -4,10 +4,14 @@ Every process builds one model and optimizer per compressor (the same seed, so t
 initial weights on every process), runs ``--warmup`` untimed steps of each (tracing, the
 first-step plan check), then ``--rounds`` rounds in which each compressor in turn runs a window
 of ``--window`` steps (A B C A B C ...). Each step ends with its loss read back, so a window's
-wall time covers every step in it; a window counts the slowest process's time (gathered after
-it, untimed): a synchronous step waits for that process, and for the ``compute`` probe it is the
-best pace a synchronous job of these processes could keep. Rank 0 appends one JSON line per
-window and one per compressor at the end to ``--results``.
+wall time covers every step in it. Each process times every step (from the end of the one
+before); after the window, untimed, one all-gather brings every process's step times to each
+(:mod:`benchmarks.network.steps`). A window counts the slowest process's time: a synchronous
+step waits for that process, and for the ``compute`` probe it is the best pace a synchronous
+job of these processes could keep if their per-step jitter lined up. The window's lockstep
+floor, the mean over steps of the slowest process's step, is what lockstep steps with that
+jitter cost at least. Rank 0 appends one JSON line per window and one per compressor at the
+end to ``--results``. The inner optimizer is ``SGD(--lr, momentum=--momentum)``.
 
 - horovod: ``tf_sparsify.horovod.DistributedOptimizer`` compiled into the model
   (``jit_compile=False``); a step is ``model.train_on_batch`` (Keras' compiled train function).
@@ -34,7 +38,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -54,54 +58,66 @@ from benchmarks.network.models import (  # noqa: E402
     make_model,
     synthetic_batch,
 )
+from benchmarks.network.steps import lockstep_floor, slowest_pace  # noqa: E402
 
 SEED = 0
 
 
-#: seconds a window took on this process -> the slowest process's seconds
-Slowest = Callable[[float], float]
+#: this process's step seconds of a window -> every process's, ``[ranks, steps]``
+Gather = Callable[[list[float]], np.ndarray]
 
 
 @dataclass
 class Trainer:
     """One compressor's model and optimizer; ``run(n)`` trains ``n`` steps to completion and
-    returns the seconds they took."""
+    returns each step's seconds (from the end of the one before; the first from the window's
+    start), which sum to the window's."""
 
     compressor: str
-    run: Callable[[int], float]
+    run: Callable[[int], list[float]]
     optimizer: tfs.SparsifiedOptimizer
 
 
-def one_by_one(step: Callable[[], float]) -> Callable[[int], float]:
-    """``run(n)`` from a callable that trains one step."""
+def one_by_one(step: Callable[[], float]) -> Callable[[int], list[float]]:
+    """``run(n)`` from a callable that trains one step and reads its result back."""
 
-    def run(steps: int) -> float:
-        start = time.perf_counter()
+    def run(steps: int) -> list[float]:
+        ends = [time.perf_counter()]
         for _ in range(steps):
             step()
-        return time.perf_counter() - start
+            ends.append(time.perf_counter())
+        return np.diff(ends).tolist()
 
     return run
 
 
 class StepClock(keras.callbacks.Callback):
-    """Seconds from the start of a ``fit`` call's first step to the end of its last (the
-    steps, without the call's own set-up: its dataset iterator and callbacks)."""
+    """A ``fit`` call's step seconds, from its first step's start to its last step's end (the
+    steps, without the call's own set-up: its dataset iterator and callbacks). Overriding
+    ``on_train_batch_end`` makes Keras call it in step, with each step's logs read back."""
 
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 0:
-            self.start = time.perf_counter()
+            self.ends = [time.perf_counter()]
 
     def on_train_batch_end(self, batch, logs=None):
-        self.seconds = time.perf_counter() - self.start
+        self.ends.append(time.perf_counter())
+
+    def step_seconds(self) -> list[float]:
+        return np.diff(self.ends).tolist()
+
+
+def sgd(args: argparse.Namespace) -> keras.optimizers.SGD:
+    """The inner optimizer: ``SGD(--lr, momentum=--momentum)``."""
+    return keras.optimizers.SGD(args.lr, momentum=args.momentum)
 
 
 def loss_fn() -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Slowest]:
-    """``(rank, size, trainers, slowest)`` under ``horovodrun``."""
+def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Gather]:
+    """``(rank, size, trainers, gather)`` under ``horovodrun``."""
     import horovod.tensorflow as hvd
 
     import tf_sparsify.horovod as th
@@ -112,7 +128,7 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
     for name in args.compressors.split(","):
         model = make_model(args.model, args.image_size, SEED)
         compressor = make_compressor("topk1" if name in PROBES else name)
-        optimizer = th.DistributedOptimizer(keras.optimizers.SGD(args.lr), compressor)
+        optimizer = th.DistributedOptimizer(sgd(args), compressor)
         if name == "exchange_topk1":
             optimizer.build(model.trainable_variables)
             trainers.append(Trainer(name, one_by_one(exchange_only(optimizer)), optimizer))
@@ -120,7 +136,7 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
         local = name in ("compute", "compute_sync")
         if local:  # trains locally; the unused exchange optimizer only counts 0
             optimizer.build(model.trainable_variables)
-        inner = keras.optimizers.SGD(args.lr) if local else optimizer
+        inner = sgd(args) if local else optimizer
         model.compile(inner, loss_fn(), jit_compile=False)  # Horovod's ops are not XLA ops
 
         def step(model: keras.Model = model, sync: bool = name == "compute_sync") -> float:
@@ -131,10 +147,11 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
 
         trainers.append(Trainer(name, one_by_one(step), optimizer))
 
-    def slowest(seconds: float) -> float:
-        return float(hvd.allreduce(tf.constant(seconds), op=hvd.Max, name="window_seconds"))
+    def gather(seconds: list[float]) -> np.ndarray:
+        mine = tf.constant([seconds], tf.float32)
+        return hvd.allgather(mine, name="step_seconds").numpy()
 
-    return hvd.rank(), hvd.size(), trainers, slowest
+    return hvd.rank(), hvd.size(), trainers, gather
 
 
 def exchange_only(optimizer) -> Callable[[], float]:
@@ -163,8 +180,8 @@ def exchange_only(optimizer) -> Callable[[], float]:
     return lambda: float(move())
 
 
-def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Slowest]:
-    """``(rank, size, trainers, slowest)`` in a worker started with a ``TF_CONFIG``."""
+def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Gather]:
+    """``(rank, size, trainers, gather)`` in a worker started with a ``TF_CONFIG``."""
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.timeout)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     rank, size = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
@@ -177,7 +194,7 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Sl
         compressor = make_compressor("topk1" if name in PROBES else name)
         with strategy.scope():
             model = make_model(args.model, args.image_size, SEED)
-            optimizer = tfs.SparsifiedOptimizer(keras.optimizers.SGD(args.lr), compressor)
+            optimizer = tfs.SparsifiedOptimizer(sgd(args), compressor)
         if name == "loop_topk1":
             local = tf.constant(batches[rank][0]), tf.constant(batches[rank][1])
             run = one_by_one(loop_step(strategy, model, optimizer, *local))
@@ -185,7 +202,7 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Sl
             with strategy.scope():
                 optimizer.build(model.trainable_variables)  # unused: its counters read 0
             local_model = make_model(args.model, args.image_size, SEED)
-            local_model.compile(keras.optimizers.SGD(args.lr), loss_fn())
+            local_model.compile(sgd(args), loss_fn())
             local_data = tf.data.Dataset.from_tensors(batches[rank]).repeat()
             run = fit_steps(local_model, local_data)
         else:
@@ -194,24 +211,24 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Sl
             run = fit_steps(model, dataset)
         trainers.append(Trainer(name, run, optimizer))
 
-    def slowest(seconds: float) -> float:
-        def gather(t: tf.Tensor) -> tf.Tensor:
+    def gather(seconds: list[float]) -> np.ndarray:
+        def all_gather(t: tf.Tensor) -> tf.Tensor:
             return tf.distribute.get_replica_context().all_gather(t[None], axis=0)
 
-        each = strategy.run(gather, args=(tf.constant(seconds),))
-        return float(tf.reduce_max(strategy.experimental_local_results(each)[0]))
+        each = strategy.run(all_gather, args=(tf.constant(seconds, tf.float32),))
+        return strategy.experimental_local_results(each)[0].numpy()
 
-    return rank, size, trainers, slowest
+    return rank, size, trainers, gather
 
 
-def fit_steps(model: keras.Model, dataset: tf.data.Dataset) -> Callable[[int], float]:
+def fit_steps(model: keras.Model, dataset: tf.data.Dataset) -> Callable[[int], list[float]]:
     """``run(n)``: one ``model.fit`` call of ``n`` steps, timed from its first step's start to
     its last step's end (a ``fit`` call's set-up is paid once per call, not per step)."""
     clock = StepClock()
 
-    def run(steps: int) -> float:
+    def run(steps: int) -> list[float]:
         model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[clock])
-        return clock.seconds
+        return clock.step_seconds()
 
     return run
 
@@ -239,41 +256,56 @@ def loop_step(strategy, model, optimizer, x, y) -> Callable[[], float]:
     return step
 
 
+@dataclass
+class Windows:
+    """One compressor's timed windows: the slowest process's ms/step and the lockstep floor's
+    ms/step, a value per window."""
+
+    step_ms: list[float] = field(default_factory=list)
+    floor_ms: list[float] = field(default_factory=list)
+
+
 def timed_rounds(
     trainers: list[Trainer],
-    slowest: Slowest,
+    gather: Gather,
     args: argparse.Namespace,
     emit: Callable[[dict], None],
-) -> dict[str, list[float]]:
-    """Warm every trainer up, then interleave timed windows; ms/step per window (the slowest
-    process's), by compressor."""
+) -> dict[str, Windows]:
+    """Warm every trainer up, then interleave timed windows; their ms/step by compressor."""
     for trainer in trainers:
         trainer.run(args.warmup)
-    windows: dict[str, list[float]] = {t.compressor: [] for t in trainers}
+    windows = {t.compressor: Windows() for t in trainers}
     for round_index in range(args.rounds):
         for trainer in trainers:
-            ms = 1e3 * slowest(trainer.run(args.window)) / args.window
-            windows[trainer.compressor].append(ms)
+            step_times = gather(trainer.run(args.window))
+            ms, floor_ms = 1e3 * slowest_pace(step_times), 1e3 * lockstep_floor(step_times)
+            windows[trainer.compressor].step_ms.append(ms)
+            windows[trainer.compressor].floor_ms.append(floor_ms)
             emit(
                 {
                     "event": "window",
                     "round": round_index + 1,
                     "compressor": trainer.compressor,
                     "ms_per_step": ms,
+                    "floor_ms_per_step": floor_ms,
                 }
             )
     return windows
 
 
-def summary(trainer: Trainer, windows: list[float]) -> dict[str, Any]:
-    """The result record of one compressor: best and median window, bytes per step and rank."""
+def summary(trainer: Trainer, windows: Windows) -> dict[str, Any]:
+    """The result record of one compressor: best and median window, the best window's lockstep
+    floor (never below the best window: each window's floor is at least its ms/step), bytes
+    per step and rank."""
     steps = int(trainer.optimizer.exchange_steps.numpy())
     return {
         "event": "result",
         "compressor": trainer.compressor,
-        "best_ms": min(windows),
-        "median_ms": statistics.median(windows),
-        "windows_ms": windows,
+        "best_ms": min(windows.step_ms),
+        "median_ms": statistics.median(windows.step_ms),
+        "windows_ms": windows.step_ms,
+        "floor_ms": min(windows.floor_ms),
+        "floor_windows_ms": windows.floor_ms,
         "steps": steps,
         "bytes_per_step": int(trainer.optimizer.bytes_sent.numpy()) // max(steps, 1),
     }
@@ -289,6 +321,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.0, help="the inner SGD's momentum")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--window", type=int, default=10)
@@ -302,13 +335,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     make = horovod_trainers if args.backend == "horovod" else mwms_trainers
-    rank, size, trainers, slowest = make(args)
+    rank, size, trainers, gather = make(args)
     context = {
         "backend": args.backend,
         "model": args.model,
         "rate": args.rate,
         "ranks": size,
         "batch": args.batch,
+        "momentum": args.momentum,
     }
 
     def emit(record: dict) -> None:
@@ -316,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.results, "a") as f:
                 f.write(json.dumps({**context, **record}) + "\n")
 
-    windows = timed_rounds(trainers, slowest, args, emit)
+    windows = timed_rounds(trainers, gather, args, emit)
     for trainer in trainers:
         emit(summary(trainer, windows[trainer.compressor]))
 
