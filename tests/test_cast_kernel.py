@@ -236,3 +236,144 @@ def test_under_xla_equals_kernel():
         for i, what in ((first + 1, "new_residual"), (first + 2, "widened")):
             assert_bits_equal(got[i].view(np.uint32), want[i].view(np.uint32), what, skip)
         assert got[first + 3] == want[first + 3]
+
+
+# -- WireSum: the sum of gathered 16-bit payloads over the ranks ------------------------------
+QUIET_NAN = {"float16": 0x7E00, "bfloat16": 0x7FC0}
+WIRE_SPECIALS = {  # zeros, denormals, smallest normal, largest finite, Inf, NaNs, 1 and 1 + ulp
+    "float16": [0x0000, 0x8000, 0x0001, 0x83FF, 0x0400, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00,
+                0x7E00, 0xFE01, 0x7C01, 0x3C00, 0x3C01],
+    "bfloat16": [0x0000, 0x8000, 0x0001, 0x807F, 0x0080, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80,
+                 0x7FC0, 0xFFC1, 0x7F81, 0x3F80, 0x3F81],
+}  # fmt: skip
+EXPONENTS = {"float16": (-26, 17), "bfloat16": (-135, 128)}  # down to denormals, up to overflow
+
+
+def wire_sum_model(rows: np.ndarray, kind: str) -> np.ndarray:
+    """WireSum on ``[P, n]`` bits: the only row as it is; else the rows added in float32 from
+    +0.0 in rank order (DAZ/FTZ), rounded once to nearest even (beyond the range: Inf); every
+    NaN as QUIET_NAN."""
+    if rows.shape[0] == 1:
+        out = rows[0]
+    else:
+        acc = np.zeros(rows.shape[1:], np.uint32)  # +0.0
+        for row in rows:
+            acc = ref.add(acc, ref.to_f32(row, kind).view(np.uint32), "float32")
+        with np.errstate(over="ignore"):
+            out = ref.from_f32(acc.view(np.float32), kind)
+    return np.where(np.isnan(ref.to_f32(out, kind)), np.uint16(QUIET_NAN[kind]), out)
+
+
+def gathered_bits(ranks: int, n: int, kind: str, seed: int) -> np.ndarray:
+    """``[ranks, n]`` wire bits: gradient-like values over the whole exponent range, random bit
+    patterns, the specials, and entries that cancel rank 0's (zero sums of either sign)."""
+    rng = np.random.default_rng(seed)
+    low, high = EXPONENTS[kind]
+    values = rng.normal(size=(ranks, n)) * 2.0 ** rng.integers(low, high, (ranks, n))
+    with np.errstate(over="ignore"):
+        bits = ref.from_f32(values.astype(np.float32), kind)
+    random_bits = rng.integers(0, 2**16, (ranks, n)).astype(np.uint16)
+    bits = np.where(rng.random((ranks, n)) < 0.2, random_bits, bits)
+    specials = np.array(WIRE_SPECIALS[kind], np.uint16)
+    bits = np.where(rng.random((ranks, n)) < 0.1, specials[rng.integers(0, specials.size, n)], bits)
+    if ranks > 1:
+        bits[1] = np.where(rng.random(n) < 0.1, bits[0] ^ np.uint16(0x8000), bits[1])
+    return bits
+
+
+def run_wire_sum(bits: np.ndarray, kind: str, portable: bool) -> np.ndarray:
+    """The kernel's bits, run eagerly (it sets DAZ/FTZ itself, on TensorFlow's threads too)."""
+    total = ops.wire_sum(tf.bitcast(tf.constant(bits), WIRES[kind]), portable=portable)
+    assert total.dtype == WIRES[kind] and total.shape == bits.shape[1:]
+    return tf.bitcast(total, tf.uint16).numpy()
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_wire_sum_matches_numpy_model_bit_for_bit(kind, portable):
+    """P = 0..3 with tails after 8 and 16 lanes; two threads from 2**16 entries on (P = 2),
+    the output streamed from 2**20 on (the SIMD paths)."""
+    cases = [(ranks, n) for ranks in (0, 1, 2, 3) for n in (0, 1, 7, 17, 33, 301)]
+    for ranks, n in [*cases, (2, 2**16 + 9 if portable else 2**20 + 5)]:
+        bits = gathered_bits(ranks, n, kind, seed=7 * ranks + n)
+        want = wire_sum_model(bits, kind)
+        assert_bits_equal(run_wire_sum(bits, kind, portable), want, f"P={ranks} n={n}")
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_wire_sum_specials_on_every_path(kind):
+    """Each pair of specials (and each special alone) in every lane position and the tail."""
+    specials = np.array(WIRE_SPECIALS[kind], np.uint16)
+    pairs = np.stack(np.meshgrid(specials, specials)).reshape(2, -1)
+    for bits in (pairs, pairs[:1], np.concatenate([pairs, pairs[::-1]])[:3]):
+        want = wire_sum_model(bits, kind)
+        for portable in (False, True):
+            assert_bits_equal(run_wire_sum(bits, kind, portable), want, f"P={len(bits)}")
+
+
+def test_wire_sum_model_pins_rounding_overflow_zeros_and_nan():
+    """The model on sums known by hand (and the kernel on them)."""
+    bf16 = {  # P rows of one entry -> result
+        ((0x7F7F,), (0x7F7F,)): 0x7F80,  # 2 * largest finite: Inf, no saturation
+        ((0x8000,), (0x8000,)): 0x0000,  # -0 + -0 from +0.0: +0
+        ((0x8000,),): 0x8000,  # one row as it is
+        ((0x0001,),): 0x0001,  # a denormal alone is kept ...
+        ((0x0001,), (0x0000,)): 0x0000,  # ... and read as zero in a sum
+        ((0x3F80,), (0x3B80,), (0x3B80,)): 0x3F81,  # 1 + 2^-8 + 2^-8 rounded once: 1 + 2^-7
+        ((0x7F80,), (0xFF80,)): 0x7FC0,  # Inf - Inf
+        ((0xFFC1,), (0x3F80,)): 0x7FC0,  # NaN's sign and payload not kept
+    }
+    half = {
+        ((0x7BFF,), (0x4C00,)): 0x7C00,  # 65504 + 16 = 65520 rounds to Inf
+        ((0x3C00,), (0x1000,), (0x1000,)): 0x3C01,  # 1 + 2^-11 + 2^-11 rounded once
+        ((0x0001,), (0x0001,)): 0x0002,  # float16 subnormals are exact in float32
+        ((0xFE01,),): 0x7E00,
+    }
+    for kind, table in (("bfloat16", bf16), ("float16", half)):
+        for rows, want in table.items():
+            bits = np.array(rows, np.uint16)
+            assert wire_sum_model(bits, kind)[0] == want, (kind, rows)
+            for portable in (False, True):
+                assert run_wire_sum(bits, kind, portable)[0] == want, (kind, rows, portable)
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_wire_sum_equals_the_float32_reduce_sum_it_replaces(kind):
+    """Horovod's bfloat16 sum was ``cast(reduce_sum(cast(gathered, float32)), bfloat16)``:
+    the same bits, except that TensorFlow's NaN keeps its sign in some lanes."""
+    for ranks in (1, 2, 3):
+        gathered = tf.bitcast(
+            tf.constant(gathered_bits(ranks, 1001, kind, seed=ranks)), WIRES[kind]
+        )
+        old = tf.cast(tf.reduce_sum(tf.cast(gathered, tf.float32), 0), gathered.dtype)
+        new = ops.wire_sum(gathered)
+        nan = tf.math.is_nan(old).numpy()
+        np.testing.assert_array_equal(tf.math.is_nan(new).numpy(), nan)
+        want = tf.bitcast(old, tf.uint16).numpy()
+        assert_bits_equal(tf.bitcast(new, tf.uint16).numpy(), want, f"P={ranks}", skip=nan)
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_wire_sum_pure_tf_and_xla_match_numpy_model(kind):
+    """The pure-TF reference (P = 1, 2, 3, traced once) and, for bfloat16 (Horovod's case), under
+    XLA, where it runs."""
+    spec = tf.TensorSpec([None, None], WIRES[kind])
+    reference = tf.function(pure_tf.wire_sum, input_signature=[spec])
+    for ranks in (1, 2, 3):
+        bits = gathered_bits(ranks, 301, kind, seed=ranks + 10)
+        got = reference(tf.bitcast(tf.constant(bits), WIRES[kind]))
+        want = wire_sum_model(bits, kind)
+        assert_bits_equal(tf.bitcast(got, tf.uint16).numpy(), want, f"pure-TF P={ranks}")
+    if kind == "float16":
+        return
+    got = tf.function(ops.wire_sum, jit_compile=True)(tf.bitcast(tf.constant(bits), WIRES[kind]))
+    assert_bits_equal(tf.bitcast(got, tf.uint16).numpy(), want, "XLA P=3")
+
+
+def test_wire_sum_bad_input_named():
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="gathered must be float16 or bfloat16, got float32"
+    ):
+        ops.wire_sum(tf.ones([2, 3]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"rank >= 1 .*got shape \(\)"):
+        ops.wire_sum(tf.constant(1.0, tf.bfloat16))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from tf_sparsify import ops
 from tf_sparsify.collectives import Collective
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.ops.xla import in_xla_context
@@ -282,7 +283,8 @@ def _from_bytes(raw: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
 
 
 def _local_sum(gathered: tf.Tensor) -> tf.Tensor:
-    """Sum over the rank axis; bfloat16 is accumulated in float32."""
-    if gathered.dtype == tf.bfloat16:
-        return tf.cast(tf.reduce_sum(tf.cast(gathered, tf.float32), axis=0), tf.bfloat16)
+    """Sum over the rank axis; float16 and bfloat16 are accumulated in float32 and rounded
+    once, in one pass (:func:`tf_sparsify.ops.wire_sum`)."""
+    if gathered.dtype in (tf.float16, tf.bfloat16):
+        return ops.wire_sum(gathered)
     return tf.reduce_sum(gathered, axis=0)

@@ -1,6 +1,6 @@
 """Custom ops: fused TopK with error feedback, QSGD quantization, a dense scatter-sum, the
-Elias-Fano code of TopK's indices, a plain SGD step from sparse updates and a 16-bit cast with
-error feedback.
+Elias-Fano code of TopK's indices, a plain SGD step from sparse updates, a 16-bit cast with
+error feedback and the sum of gathered 16-bit payloads.
 
 Each function runs the compiled kernels (built by ``python -m tf_sparsify.ops.build``, loaded by
 :mod:`tf_sparsify.ops.library`) when they load, and otherwise the pure-TF reference in
@@ -50,6 +50,8 @@ __all__ = [
     "qsgd_dequantize",
     "qsgd_quantize",
     "saturating_cast_feedback",
+    "wire_sum",
+    "wire_to_float",
     "scatter_sum",
     "sparse_sgd_apply",
     "topk_error_feedback",
@@ -709,3 +711,23 @@ def wire_to_float(
     if ops is None:
         return pure_tf.wire_to_float(wire, scale)
     return tuple(ops.wire_to_float(wire, scale, portable=portable))
+
+
+def wire_sum(gathered: tf.Tensor, portable: bool = False) -> tf.Tensor:
+    """The sum over the first axis (the ranks) of ``gathered`` ``[P, ...]`` (float16 or
+    bfloat16), in its dtype: bit for bit what ``tf.cast(tf.reduce_sum(tf.cast(gathered,
+    tf.float32), axis=0), dtype)`` gives on CPU, in one pass. Each entry is added in float32
+    from +0.0 in rank order (denormals: see the module docstring), then rounded once to nearest
+    even, to Inf beyond the dtype's range (no saturation); a NaN sum is 0x7E00 (float16) or
+    0x7FC0 (bfloat16), where ``tf.cast`` gives 0x7FC0 or 0xFFC0. With ``P = 1`` the row itself
+    (NaNs likewise), as ``reduce_sum`` returns it. CPU kernel (``portable`` as in
+    :func:`saturating_cast_feedback`); on a GPU and under XLA the pure-TF reference."""
+    gathered = tf.convert_to_tensor(gathered)
+    if gathered.dtype not in WIRE_DTYPES:
+        raise _invalid(f"gathered must be float16 or bfloat16, got {gathered.dtype.name}")
+    if gathered.shape.rank == 0:
+        raise _invalid(f"gathered must have rank >= 1 (ranks first), got shape {gathered.shape}")
+    ops = _compiled() if _runs_on_cpu(gathered) else None
+    if ops is None:
+        return pure_tf.wire_sum(gathered)
+    return ops.wire_sum(gathered, portable=portable)

@@ -35,6 +35,7 @@ OP_NAMES = (
     "SparseSgdApply",
     "SaturatingCastFeedback",
     "WireToFloat",
+    "WireSum",
     "TopKErrorFeedbackPacked",
     "IndexCodeEncodePacked",
     "IndexCodeDecodePacked",

@@ -24,6 +24,9 @@ These define the semantics the compiled kernels must reproduce bit for bit:
 * ``saturating_cast_feedback``: ``v = grad + residual`` (``grad`` alone without a residual),
   ``wire = saturating_cast(v, wire_dtype)``, ``new_residual = v - float(wire)``;
   ``wire_to_float``: ``float(wire) * scale`` and whether every entry of ``wire`` is finite.
+* ``wire_sum``: the rows of ``[P, ...]`` float16/bfloat16 added in float32 from +0.0 in rank
+  order, rounded once to the dtype (Inf beyond its range, NaN as one quiet NaN); one row as it
+  is.
 
 Denormals (see :mod:`tf_sparsify.ops`): float32/float64 arithmetic reads denormals as zero and
 flushes denormal results. TensorFlow's CPU kernels do that in hardware; the flushes written out
@@ -363,3 +366,17 @@ def wire_to_float(wire: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, tf.Tens
     """Reference for the fused decoder: ``(float32(wire) * scale, all finite)``."""
     product = flush(flush(tf.cast(wire, tf.float32)) * scale)
     return product, tf.reduce_all(tf.math.is_finite(wire))
+
+
+def wire_sum(gathered: tf.Tensor) -> tf.Tensor:
+    """Reference for WireSum: the sum of ``gathered``'s rows in its 16-bit dtype."""
+    rows = tf.cast(gathered, tf.float32)
+    one_row = tf.shape(rows)[0] == 1  # reduce_sum returns one row as it is
+    total = tf.foldl(
+        lambda acc, row: tf.where(one_row, row, add(acc, row)),
+        rows,
+        initializer=tf.zeros(tf.shape(rows)[1:]),
+    )
+    quiet_nan = 0x7E00 if gathered.dtype == tf.float16 else 0x7FC0
+    nan = tf.bitcast(tf.constant(quiet_nan, tf.uint16), gathered.dtype)
+    return tf.where(tf.math.is_nan(total), nan, tf.cast(total, gathered.dtype))

@@ -1,6 +1,7 @@
 // CPU kernels of SaturatingCastFeedback, float32 to a 16-bit wire type (float16 or bfloat16)
-// with error feedback in one pass over memory, and of WireToFloat, its way back (scaled, with a
-// finiteness check in the same pass).
+// with error feedback in one pass over memory, of WireToFloat, its way back (scaled, with a
+// finiteness check in the same pass), and of WireSum, the sum of gathered 16-bit payloads over
+// their first axis (accumulated in float32, rounded once, in one pass).
 //
 // v = grad + residual (grad alone without a residual); wire = v rounded to nearest even, finite
 // values beyond the wire type's range saturated to its largest finite value, Inf kept, NaN
@@ -56,8 +57,8 @@ struct AlignedChunks {
   int64_t End(int64_t c) const { return std::min(n, (c + 1) * Size()); }
 };
 
-// Whether the float32 output of n entries at out is streamed (64-byte aligned and large).
-inline bool Streamed(const float* out, int64_t n) {
+// Whether the output of n entries at out is streamed (64-byte aligned and large).
+inline bool Streamed(const void* out, int64_t n) {
   return n >= kMinStreamed && reinterpret_cast<uintptr_t>(out) % 64 == 0;
 }
 
@@ -82,7 +83,9 @@ inline uint32_t Pick(bool c, uint32_t a, uint32_t b) {
 // u with a denormal value replaced by a zero of its sign.
 inline uint32_t Flushed(uint32_t u) { return Pick((u & 0x7F800000u) == 0, u & 0x80000000u, u); }
 
-// float16 bits of the float32 of bits u (no denormal), saturating, round to nearest even.
+// float16 bits of the float32 of bits u (no denormal), round to nearest even; finite values
+// that round beyond float16's range saturate to its largest finite value (kSaturate) or give Inf.
+template <bool kSaturate>
 inline uint16_t HalfBits(uint32_t u) {
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7FFFFFFFu;
@@ -91,7 +94,7 @@ inline uint16_t HalfBits(uint32_t u) {
   // below 2^-14: adding 0.5 makes the float32 sum round at 2^-24, float16's subnormal step
   const uint32_t subnormal = BitsOf(FloatOf(a) + 0.5f) - 0x3F000000u;
   uint32_t h = Pick(a < 0x38800000u, subnormal, normal);
-  h = Pick(a >= 0x477FF000u, 0x7BFFu, h);  // 65520 and above round to Inf: saturate at 65504
+  h = Pick(a >= 0x477FF000u, kSaturate ? 0x7BFFu : 0x7C00u, h);  // 65520 and above round to Inf
   h = Pick(a == 0x7F800000u, 0x7C00u, h);
   h = Pick(a > 0x7F800000u, 0x7E00u | ((a >> 13) & 0x3FFu), h);
   return static_cast<uint16_t>(sign | h);
@@ -109,11 +112,14 @@ inline float HalfValue(uint32_t h) {
   return FloatOf(sign | bits);
 }
 
-// bfloat16 bits of the float32 of bits u (no denormal), saturating, round to nearest even.
+// bfloat16 bits of the float32 of bits u (no denormal), round to nearest even; finite values
+// that round beyond bfloat16's range saturate to its largest finite value (kSaturate) or give
+// Inf; NaN gives 0x7FC0.
+template <bool kSaturate>
 inline uint16_t Bf16Bits(uint32_t u) {
   const uint32_t a = u & 0x7FFFFFFFu;
-  uint32_t h = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;
-  h = Pick(a >= 0x7F7F8000u, 0x7F7Fu, h);  // rounds to Inf: saturate at the largest finite
+  uint32_t h = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;  // beyond the range: 0x7F80, Inf
+  if constexpr (kSaturate) h = Pick(a >= 0x7F7F8000u, 0x7F7Fu, h);
   h = Pick(a == 0x7F800000u, 0x7F80u, h);
   h |= (u >> 16) & 0x8000u;
   h = Pick(a > 0x7F800000u, 0x7FC0u, h);
@@ -132,7 +138,7 @@ __attribute__((always_inline)) inline void CastPortable(const float* __restrict_
   for (int64_t i = 0; i < len; ++i) {
     // with a residual, DAZ/FTZ keep the sum free of denormals
     const float v = kFeedback ? grad[i] + residual[i] : FloatOf(Flushed(BitsOf(grad[i])));
-    const uint16_t w = kHalf ? HalfBits(BitsOf(v)) : Bf16Bits(BitsOf(v));
+    const uint16_t w = kHalf ? HalfBits<true>(BitsOf(v)) : Bf16Bits<true>(BitsOf(v));
     wire[i] = w;
     if constexpr (kFeedback) new_residual[i] = v - (kHalf ? HalfValue(w) : Bf16Value(w));
   }
@@ -316,14 +322,166 @@ bool WidenRange(const uint16_t* wire, float scale, float* out, int64_t len, bool
   return WidenPortable<kHalf>(wire, scale, out, len);
 }
 
-class SaturatingCastFeedbackCpuOp : public OpKernel {
+// -- WireSum -------------------------------------------------------------------------------
+// Sums of the rows of [ranks, n] wire bits (row p at rows + p * stride) as TensorFlow's
+// reduce_sum of the rows widened to float32 gives them: from +0.0, in rank order, under
+// DAZ/FTZ; then rounded once to nearest even, beyond the range to Inf (as Cast), NaN as
+// kQuietNan. One row is returned as it is, denormals included, NaNs as kQuietNan (reduce_sum
+// skips a reduction over one entry).
+
+// The NaN of every sum (TensorFlow's vectorized Cast to bfloat16 gives 0x7FC0; its scalar
+// code keeps the sign, and which NaN an addition keeps depends on the operand order).
+template <bool kHalf>
+constexpr uint32_t kQuietNan = kHalf ? 0x7E00u : 0x7FC0u;
+
+template <bool kHalf>
+inline float WireValue(uint32_t h) {
+  return kHalf ? HalfValue(h) : Bf16Value(h);
+}
+
+// The wire bits of the float32 sum of bits u.
+template <bool kHalf>
+inline uint16_t SumBits(uint32_t u) {
+  if constexpr (!kHalf) return Bf16Bits<false>(u);
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(Pick(nan, kQuietNan<true>, HalfBits<false>(u)));
+}
+
+// out[0:len] = the only row (ranks == 1), NaNs as kQuietNan.
+template <bool kHalf>
+void CopyRow(const uint16_t* __restrict__ row, uint16_t* __restrict__ out, int64_t len) {
+  const uint32_t inf = kHalf ? 0x7C00u : 0x7F80u;
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t h = row[i];
+    out[i] = static_cast<uint16_t>(Pick((h & 0x7FFFu) > inf, kQuietNan<kHalf>, h));
+  }
+}
+
+// out[0:len] = the sums of rows[p * stride + (0:len)] over p < ranks (the portable path:
+// blocks of entries accumulated row after row, so that the inner loops vectorize).
+template <bool kHalf>
+__attribute__((always_inline)) inline void SumPortable(const uint16_t* __restrict__ rows,
+                                                       int64_t stride, int64_t ranks,
+                                                       uint16_t* __restrict__ out, int64_t len) {
+  constexpr int64_t kBlock = 512;
+  float acc[kBlock];
+  for (int64_t b = 0; b < len; b += kBlock) {
+    const int64_t m = std::min(kBlock, len - b);
+    for (int64_t j = 0; j < m; ++j) acc[j] = 0.0f;
+    for (int64_t p = 0; p < ranks; ++p) {
+      const uint16_t* row = rows + p * stride + b;
+      for (int64_t j = 0; j < m; ++j) acc[j] += WireValue<kHalf>(row[j]);
+    }
+    for (int64_t j = 0; j < m; ++j) out[b + j] = SumBits<kHalf>(BitsOf(acc[j]));
+  }
+}
+
+#if defined(__x86_64__)
+template <bool kHalf>
+__attribute__((target("avx2"))) void SumPortableAvx2(const uint16_t* rows, int64_t stride,
+                                                      int64_t ranks, uint16_t* out, int64_t len) {
+  SumPortable<kHalf>(rows, stride, ranks, out, len);
+}
+
+// float16 sums through F16C, 8 entries at a time.
+// stream: out is 16-byte aligned and written past the caches.
+__attribute__((target("avx,f16c"))) void SumHalfF16c(const uint16_t* rows, int64_t stride,
+                                                       int64_t ranks, uint16_t* out, int64_t len,
+                                                       bool stream) {
+  const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));  // to 0x7E00
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t p = 0; p < ranks; ++p) {
+      const auto* h = reinterpret_cast<const __m128i*>(rows + p * stride + i);
+      acc = _mm256_add_ps(acc, _mm256_cvtph_ps(_mm_loadu_si128(h)));
+    }
+    acc = _mm256_blendv_ps(acc, quiet_nan, _mm256_cmp_ps(acc, acc, _CMP_UNORD_Q));
+    const __m128i h = _mm256_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT);
+    if (stream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), h);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+    }
+  }
+  if (stream) _mm_sfence();
+  SumPortable<true>(rows + i, stride, ranks, out + i, len - i);
+}
+
+// bfloat16 sums through AVX512-BF16, 16 entries at a time (the sums are never denormal: FTZ).
+// stream: out is 32-byte aligned and written past the caches.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void SumBf16Avx512(
+    const uint16_t* rows, int64_t stride, int64_t ranks, uint16_t* out, int64_t len,
+    bool stream) {
+  const __m256i quiet_nan = _mm256_set1_epi16(kQuietNan<false>);
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t p = 0; p < ranks; ++p) {
+      const auto* h = reinterpret_cast<const __m256i*>(rows + p * stride + i);
+      const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(h)), 16);
+      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(widened));
+    }
+    const __m256bh rounded = _mm512_cvtneps_pbh(acc);
+    const __mmask16 nan = _mm512_cmp_ps_mask(acc, acc, _CMP_UNORD_Q);
+    const __m256i h =
+        _mm256_mask_blend_epi16(nan, reinterpret_cast<const __m256i&>(rounded), quiet_nan);
+    if (stream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), h);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+    }
+  }
+  if (stream) _mm_sfence();
+  SumPortable<false>(rows + i, stride, ranks, out + i, len - i);
+}
+#endif
+
+// The sums of [0, len) on the fastest path this CPU has (`portable` as for CastRange).
+template <bool kHalf>
+void SumRange(const uint16_t* rows, int64_t stride, int64_t ranks, uint16_t* out, int64_t len,
+              bool portable, bool stream) {
+  if (ranks == 1) {
+    CopyRow<kHalf>(rows, out, len);
+    return;
+  }
+#if defined(__x86_64__)
+  if (!portable && kHalf && HasF16c()) {
+    SumHalfF16c(rows, stride, ranks, out, len, stream);
+    return;
+  }
+  if (!portable && !kHalf && HasAvx512Bf16()) {
+    SumBf16Avx512(rows, stride, ranks, out, len, stream);
+    return;
+  }
+  if (HasAvx2()) {
+    SumPortableAvx2<kHalf>(rows, stride, ranks, out, len);
+    return;
+  }
+#endif
+  SumPortable<kHalf>(rows, stride, ranks, out, len);
+}
+
+// -- The kernels ---------------------------------------------------------------------------
+
+// What every kernel here reads from its attrs: the wire type and `portable`.
+class WireKernel : public OpKernel {
  public:
-  explicit SaturatingCastFeedbackCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit WireKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
     DataType wire_type;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("wire_type", &wire_type));
     half_ = wire_type == DT_HALF;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("portable", &portable_));
   }
+
+ protected:
+  bool half_ = true;  // float16 wire, else bfloat16
+  bool portable_ = false;
+};
+
+class SaturatingCastFeedbackCpuOp : public WireKernel {
+ public:
+  using WireKernel::WireKernel;
 
   void Compute(OpKernelContext* ctx) override {
     port::ScopedFlushDenormal flush;
@@ -366,23 +524,14 @@ class SaturatingCastFeedbackCpuOp : public OpKernel {
       if (!half_ && !feedback) CastRange<false, false>(g + b, eb, w + b, ob, len, p, stream);
     });
   }
-
- private:
-  bool half_ = true;
-  bool portable_ = false;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SaturatingCastFeedback").Device(DEVICE_CPU),
                         SaturatingCastFeedbackCpuOp);
 
-class WireToFloatCpuOp : public OpKernel {
+class WireToFloatCpuOp : public WireKernel {
  public:
-  explicit WireToFloatCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    DataType wire_type;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("wire_type", &wire_type));
-    half_ = wire_type == DT_HALF;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("portable", &portable_));
-  }
+  using WireKernel::WireKernel;
 
   void Compute(OpKernelContext* ctx) override {
     port::ScopedFlushDenormal flush;
@@ -411,13 +560,41 @@ class WireToFloatCpuOp : public OpKernel {
     finite_t->scalar<bool>()() =
         std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
   }
-
- private:
-  bool half_ = true;
-  bool portable_ = false;
 };
 
 REGISTER_KERNEL_BUILDER(Name("WireToFloat").Device(DEVICE_CPU), WireToFloatCpuOp);
+
+class WireSumCpuOp : public WireKernel {
+ public:
+  using WireKernel::WireKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    port::ScopedFlushDenormal flush;
+    const Tensor& gathered = ctx->input(0);
+    OP_REQUIRES(ctx, gathered.dims() >= 1,
+                absl::InvalidArgumentError(
+                    "WireSum: gathered must have rank >= 1 (ranks first), got a scalar"));
+    TensorShape shape = gathered.shape();
+    const int64_t ranks = shape.dim_size(0);
+    shape.RemoveDim(0);
+    Tensor* sum_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &sum_t));
+    const int64_t n = shape.num_elements();
+    const auto* rows = static_cast<const uint16_t*>(gathered.data());
+    auto* sum = static_cast<uint16_t*>(sum_t->data());
+    const int64_t work = n * std::max<int64_t>(ranks, 1);
+    const AlignedChunks chunks{n, std::clamp<int64_t>(work / kMinChunk, 1, WorkerThreads(ctx))};
+    const bool stream = Streamed(sum, n);
+    ForEachChunk(ctx, chunks.count, [&](int64_t c) {
+      const int64_t b = chunks.Begin(c);
+      const int64_t len = chunks.End(c) - b;
+      if (half_) SumRange<true>(rows + b, n, ranks, sum + b, len, portable_, stream);
+      if (!half_) SumRange<false>(rows + b, n, ranks, sum + b, len, portable_, stream);
+    });
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("WireSum").Device(DEVICE_CPU), WireSumCpuOp);
 
 }  // namespace
 }  // namespace tfs_ops

@@ -374,4 +374,25 @@ denormal inputs and products are zeros of their sign, TensorFlow's CPU policy); 
 every entry of wire is finite, found in the same pass. portable: as SaturatingCastFeedback's.
 )doc");
 
+REGISTER_OP("WireSum")
+    .Input("gathered: wire_type")
+    .Output("sum: wire_type")
+    .Attr("wire_type: {half, bfloat16}")
+    .Attr("portable: bool = false")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle gathered;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &gathered));
+      ShapeHandle sum;
+      TF_RETURN_IF_ERROR(c->Subshape(gathered, 1, &sum));
+      c->set_output(0, sum);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Sum of gathered 16-bit payloads over their first axis (the ranks), as
+Cast(ReduceSum(Cast(gathered, float), 0), wire_type) gives it, in one pass: each entry added in
+float32 from +0.0 in rank order (denormals: TensorFlow's CPU policy), rounded once to nearest
+even, to Inf beyond wire_type's range; NaN sums are 0x7E00 (half) or 0x7FC0 (bfloat16). With
+one rank the row itself (NaNs as above). portable: as SaturatingCastFeedback's.
+)doc");
+
 }  // namespace tensorflow
