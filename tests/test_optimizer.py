@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import tf_sparsify as tfs
 from tests.conftest import run_python
+from tests.embedding_model import embedding_model
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(64, 8)).astype("float32")
@@ -270,15 +271,7 @@ def test_error_feedback_defaults_follow_bias():
 
 
 def test_embedding_indexed_slices_gradients_train():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((3,), dtype="int32"),
-            keras.layers.Embedding(50, 4),
-            keras.layers.Flatten(),
-            keras.layers.Dense(2),
-        ]
-    )
+    model = embedding_model(width=4, length=3)
     opt = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.5), tfs.TopK(ratio=0.1))
     model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     before = model.layers[0].embeddings.numpy().copy()

@@ -254,7 +254,7 @@ class GradientPipeline:
         self,
         units: Sequence[Unit],
         grads: Sequence[tf.Tensor | None],
-        residuals: Sequence[tf.Tensor | None],
+        residuals: Sequence[Any],
         iteration: tf.Tensor,
         collective: Collective,
         momenta: Sequence[tf.Tensor | None] | None = None,
@@ -265,6 +265,8 @@ class GradientPipeline:
     ) -> StepResult:
         """Exchange ``grads`` (aligned with the planned variables) and return the updates.
 
+        ``residuals``: the residuals' values, or the variables holding them (this replica's
+        value is read; a unit sent as rows reads only its touched rows).
         ``iteration``: the exchange's step counter, which keys random choices (with the
         tensor's and replica's ids). Variables whose gradient is ``None`` are left out of their
         unit (they keep their values, and their residuals and momenta stay as they were); the
@@ -296,7 +298,7 @@ class GradientPipeline:
             sent = _with_gradients(unit, grads)
             if sent is not None:
                 before = UnitMemory(
-                    _joined(residuals, sent.indices) if sent.error_feedback else None,
+                    _residual(residuals, sent, rows) if sent.error_feedback else None,
                     _joined(momenta, sent.indices) if self.momentum_correction > 0 else None,
                     () if states is None else tuple(states[index]),
                 )
@@ -630,6 +632,14 @@ def _transfer(
 def _joined(tensors: Sequence[tf.Tensor | None] | None, indices: tuple[int, ...]) -> tf.Tensor:
     """The tensors of a unit's variables, joined."""
     return _join([tensors[i] for i in indices])
+
+
+def _residual(residuals: Sequence[Any], unit: Unit, rows: frozenset[int]) -> Any:
+    """A unit's residual: its variable as given for a unit sent as rows (only the touched
+    rows are read, :func:`tf_sparsify.replica_values.read_rows`), else its value."""
+    if unit.indices[0] in rows:
+        return residuals[unit.indices[0]]
+    return _join([tf.convert_to_tensor(residuals[i]) for i in unit.indices])
 
 
 def _join(tensors: list[tf.Tensor]) -> tf.Tensor:

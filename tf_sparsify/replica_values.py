@@ -38,14 +38,29 @@ def _replica_parts(variable) -> tuple | None:
     return tuple(value.distribute_strategy.experimental_local_results(value))
 
 
-def write_rows(variable, rows: tf.IndexedSlices) -> None:
-    """Write ``rows`` into this replica's value of ``variable``; its other rows stay as they
-    are (a per-replica variable's component for the current replica: TF's sync-on-read
-    variables take no scatter themselves)."""
+def _this_replica(variable) -> tf.Variable:
+    """The TF variable holding this replica's value of ``variable`` (a per-replica variable's
+    component for the current replica: TF's sync-on-read variables take no scatter or sparse
+    read themselves)."""
     value = variable if isinstance(variable, tf.Variable) else _distributed(variable)
     if isinstance(value, tf.distribute.DistributedValues):
         value = value._get_on_device_or_primary()  # TF private: this replica's component
-    value.scatter_update(rows)
+    return value
+
+
+def read_rows(variable, rows: tf.Tensor) -> tf.Tensor:
+    """The ``rows`` of this replica's value of ``variable`` (or of a tensor), read without the
+    others: a variable written by :func:`write_rows` would copy its whole value on every dense
+    read (TF's copy-on-read mode after a scatter)."""
+    if isinstance(variable, tf.Tensor):
+        return tf.gather(variable, rows)
+    return _this_replica(variable).sparse_read(rows)
+
+
+def write_rows(variable, rows: tf.IndexedSlices) -> None:
+    """Write ``rows`` into this replica's value of ``variable``; its other rows stay as they
+    are."""
+    _this_replica(variable).scatter_update(rows)
 
 
 def is_per_replica(variable) -> bool:

@@ -7,16 +7,19 @@ dense residual. Here a unit of one variable whose gradient is ``IndexedSlices`` 
 1. duplicate indices are combined first (their values summed), the touched rows sorted
    ascending (:func:`combined`);
 2. ``Identity`` sends the touched rows as they are (plus their residual, with error feedback);
-   ``TopK`` selects ``k`` entries of ``acc = rows + residual[rows]``, with ``k`` from the ratio
-   over the touched entries (``max(1, ceil(ratio * rows * row size))``, the same exact rule as
-   :func:`~tf_sparsify.compressors.base.k_for`; a fixed ``k`` clamped to them), ties to the lowest
-   flat index, NaN and Inf first, as the dense fused op;
+   ``FP16`` and ``BF16`` send them cast to the wire type, by the dense casts' fused op (the
+   rounding error and any saturated excess stay in the touched rows' residual); ``TopK``
+   selects ``k`` entries of ``acc = rows + residual[rows]``, with ``k`` from the ratio over the
+   touched entries (``max(1, ceil(ratio * rows * row size))``, the same exact rule as
+   :func:`~tf_sparsify.compressors.base.k_for`; a fixed ``k`` clamped to them), ties to the
+   lowest flat index, NaN and Inf first, as the dense fused op;
 3. every replica's rows travel by one all-gather of varying row counts (``GATHER_ROWS``: under
    tf.distribute padded to the largest count with a count prefix, under Horovod its grouped
    all-gather), so only touched rows move;
-4. the update is ``IndexedSlices``: the replicas' rows concatenated (``Identity``) or the rows
-   holding selected entries (``TopK``), values divided by the divisor; the inner Keras
-   optimizer then does its sparse update.
+4. the update is ``IndexedSlices`` of the rows any replica sent (``Identity``, the casts, their
+   values back in the variable's dtype) or the rows holding selected entries (``TopK``), a row
+   several replicas sent summed, values divided by the divisor; the inner Keras optimizer then
+   does its sparse update.
 
 Residual of untouched rows: each variable keeps one residual buffer of its full shape (so
 checkpoints hold what they held before). A step reads the residual of its touched rows only
@@ -28,19 +31,22 @@ conservation holds exactly as on the dense path: the sum of the applied updates 
 replica's residual equals the sum of the gradients. A step that is not finite on every replica
 writes no rows (:func:`tf_sparsify.memory.store_if_finite`).
 
-Duplicates are combined before the inner optimizer sees them: an inner optimizer whose sparse
-update is not linear in the gradient (Adagrad's squares) gets what the dense gradient would
-give it, where plain Keras treats each duplicate index apart.
+Duplicates are combined, on each replica and across replicas, before the inner optimizer sees
+them, so it gets rows of the dense gradient (of the update, for a lossy compressor) and an
+update that is not linear in the gradient gets what the dense gradient would give it: Keras'
+Adam and Adagrad given raw ``IndexedSlices`` square each duplicate index apart (Keras' Adam
+decays the moments of every row either way), so on an embedding plain Keras differs from
+Keras on the densified gradient, and the wrapper equals the latter on every path.
 
-Everything else densifies the gradient first, as before (:func:`keeps_rows`), losing no gradient
-mass (the dense path's error feedback keeps the residual): other compressors (QSGD, TernGrad,
-ScaledSign and the casts sum payloads of one dense layout by all-reduce; RandomK's shared indices
-and PowerSGD's factors span the whole tensor; the sparse all-reduce splits the whole index range;
-a subclass of Identity or TopK may change what they send), momentum correction (the buffer
-decays every row each step), local clipping, diagnostics, per-replica contributions (delayed
-updates, IAG), simulated workers, units of several variables (``scope="global"``), XLA (row
-counts depend on the data) and collectives without an all-gather of varying row counts (the
-hierarchical Horovod exchange).
+Everything else densifies the gradient first, as before (:func:`keeps_rows`), losing no
+gradient mass (the dense path's error feedback keeps the residual): other compressors (QSGD,
+TernGrad and ScaledSign sum payloads of one dense layout by all-reduce; RandomK's shared
+indices and PowerSGD's factors span the whole tensor; the sparse all-reduce splits the whole
+index range; a subclass of Identity, the casts or TopK may change what they send), momentum
+correction (the buffer decays every row each step), local clipping, diagnostics, per-replica
+contributions (delayed updates, IAG), simulated workers, units of several variables
+(``scope="global"``), XLA (row counts depend on the data) and collectives without an all-gather
+of varying row counts (the hierarchical Horovod exchange).
 """
 
 from __future__ import annotations
@@ -48,9 +54,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify import ops
+from tf_sparsify import ops, replica_values
 from tf_sparsify.compressors.base import Compressor, decimal_ratio
-from tf_sparsify.compressors.dense import Identity, saturating_cast
+from tf_sparsify.compressors.dense import BF16, FP16, Identity, saturating_cast
 from tf_sparsify.compressors.protocol import (
     GATHER_ROWS,
     Opening,
@@ -65,9 +71,9 @@ from tf_sparsify.memory import UnitMemory
 
 
 def handles(compressor: Compressor) -> bool:
-    """Whether ``compressor`` exchanges ``IndexedSlices`` over their touched rows (``Identity``
-    and ``TopK`` themselves, not subclasses)."""
-    return type(compressor) in (Identity, TopK)
+    """Whether ``compressor`` exchanges ``IndexedSlices`` over their touched rows (``Identity``,
+    ``FP16``, ``BF16`` and ``TopK`` themselves, not subclasses)."""
+    return type(compressor) in (Identity, FP16, BF16, TopK)
 
 
 def keeps_rows(
@@ -83,9 +89,13 @@ def combined(slices: tf.IndexedSlices) -> tuple[tf.Tensor, tf.Tensor]:
     values given for each."""
     indices = tf.cast(slices.indices, tf.int64)
     rows, position = tf.unique(indices)
-    summed = tf.math.unsorted_segment_sum(slices.values, position, tf.size(rows))
     order = tf.argsort(rows)
-    return tf.gather(rows, order), tf.gather(summed, order)
+    rank = tf.math.invert_permutation(order)  # each distinct row's place in ascending order
+    # one pass adding each value into its row's place, in index order (as
+    # unsorted_segment_sum, without its slow CPU kernel and the gather of the sums after it)
+    shape = tf.concat([tf.shape(rows), tf.shape(slices.values)[1:]], axis=0)
+    summed = tf.scatter_nd(tf.gather(rank, position)[:, None], slices.values, shape)
+    return tf.gather(rows, order), summed
 
 
 def start(
@@ -96,19 +106,22 @@ def start(
     replicas: Replicas,
 ) -> Opening:
     """Begin the exchange of one variable's sparse gradient: compress its touched rows with
-    their residual, and the protocol that gathers every replica's rows. The kept residual is
+    their residual, and the protocol that gathers every replica's rows. ``before.residual``
+    may be the residual's variable (only the touched rows are read); the kept residual is
     ``IndexedSlices`` of the touched rows (``None`` without error feedback)."""
     shape = tf.TensorShape(shape)
     rows, values = combined(slices)
-    acc = values
+    old = None
     if before.residual is not None:
-        acc = values + tf.gather(before.residual, rows)
+        old = replica_values.read_rows(before.residual, rows)
     if isinstance(compressor, TopK):
+        acc = values if old is None else values + old
         payload, remainder = _top_entries(compressor, acc, rows, shape)
         rounds = _entries_round(payload, shape, acc.dtype, replicas)
     else:
-        payload, remainder = (rows, acc), tf.zeros_like(acc)
-        rounds = _rows_round(payload, shape, replicas)
+        sent, remainder = _sent_rows(compressor, values, old)
+        payload = (rows, sent)
+        rounds = _rows_round(payload, shape, values.dtype, replicas)
     kept = None
     if before.residual is not None:
         kept = tf.IndexedSlices(remainder, rows, _dense_shape(shape))
@@ -168,14 +181,35 @@ def _entries_round(
     return Outcome(update, shared=(values,))
 
 
+def _sent_rows(
+    compressor: Compressor, values: tf.Tensor, old: tf.Tensor | None
+) -> tuple[tf.Tensor, tf.Tensor | None]:
+    """``(rows sent, remainder)`` of ``acc = values + old`` (``old``: the touched rows'
+    residual, ``None`` without error feedback, and then no remainder): ``acc`` itself for
+    ``Identity`` (and a cast whose wire type is no narrower), else ``acc`` in the wire type by
+    the dense cast's fused op, its rounding error the remainder."""
+    wire = compressor.wire_dtype if isinstance(compressor, FP16 | BF16) else values.dtype
+    if values.dtype.size > wire.size:
+        return ops.saturating_cast_feedback(values, old, wire)
+    acc = values if old is None else values + old
+    return acc, None if old is None else tf.zeros_like(acc)
+
+
 def _rows_round(
-    payload: tuple[tf.Tensor, tf.Tensor], shape: tf.TensorShape, replicas: Replicas
+    payload: tuple[tf.Tensor, tf.Tensor],
+    shape: tf.TensorShape,
+    dtype: tf.DType,
+    replicas: Replicas,
 ) -> Protocol:
-    """Every replica's rows gathered; the update is their concatenation divided by the
+    """Every replica's rows gathered; the update is their values in ``dtype``, a row several
+    replicas sent summed (:func:`combined`, as in the dense gradient), divided by the
     divisor."""
-    rows, values = yield Transfer(GATHER_ROWS, payload)
+    rows, sent = yield Transfer(GATHER_ROWS, payload)
+    values = tf.cast(sent, dtype)
+    if replicas.count > 1:
+        rows, values = combined(tf.IndexedSlices(values, rows))
     update = tf.IndexedSlices(scaled(values, replicas.divisor), rows, _dense_shape(shape))
-    return Outcome(update, shared=(values,))
+    return Outcome(update, shared=(sent,))
 
 
 def _dense_shape(shape: tf.TensorShape) -> tf.Tensor:

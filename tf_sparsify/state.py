@@ -229,7 +229,7 @@ class ExchangeState:
             result = self.pipeline.run_step(
                 self.units,
                 grads,
-                _values(self.residuals),
+                self.residuals,  # read by the pipeline: a unit sent as rows reads its rows only
                 self.step,
                 collective,
                 momenta=_values(self.momenta) if self.pipeline.momentum_correction else None,

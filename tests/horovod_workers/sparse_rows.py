@@ -11,14 +11,18 @@ from __future__ import annotations
 import time
 
 import keras
+import ml_dtypes
 import numpy as np
 import tensorflow as tf
 from common import Checks, hvd
 
 import tf_sparsify as tfs
 import tf_sparsify.horovod as th
+from tests.embedding_model import embedding_model
 from tests.sparse_rows_reference import (
     SHAPE,
+    cast_grads,
+    cast_model,
     densified,
     entries_sent,
     sparse_grads,
@@ -32,7 +36,7 @@ MAX_SECONDS = 30
 def run(exchange, grads, dense: bool = False) -> tuple[list, np.ndarray]:
     """This rank's update at each step (in a tf.function, as model.fit runs it) and its final
     residual (zeros without one)."""
-    variable = tf.Variable(tf.zeros(SHAPE, tf.float64))
+    variable = tf.Variable(tf.zeros(SHAPE, grads[0][RANK][1].dtype))
 
     @tf.function(reduce_retracing=True)
     def one(indices, values):
@@ -45,8 +49,9 @@ def run(exchange, grads, dense: bool = False) -> tuple[list, np.ndarray]:
 
 
 def identity_rows() -> dict:
-    """Identity: the update is IndexedSlices of every rank's distinct rows in rank order,
-    divided by 2; densified, exactly the dense path's; fewer bytes handed to Horovod."""
+    """Identity: the update is IndexedSlices of the rows any rank touched (ascending, a row
+    several ranks touched summed), divided by 2; densified, exactly the dense path's; fewer
+    bytes handed to Horovod."""
     grads = sparse_grads(seed=21, replicas=SIZE)
     sparse_exchange, dense_exchange = th.GradientExchange(tfs.Identity()), th.GradientExchange()
     sparse, _ = run(sparse_exchange, grads)
@@ -54,8 +59,7 @@ def identity_rows() -> dict:
     for step, got, want in zip(grads, sparse, dense, strict=True):
         if not isinstance(got, tf.IndexedSlices):
             raise AssertionError(f"the update is {type(got).__name__}, not IndexedSlices")
-        rows = np.concatenate([np.unique(i) for i, _ in step])
-        np.testing.assert_array_equal(got.indices, rows)
+        np.testing.assert_array_equal(got.indices, np.unique(np.concatenate([i for i, _ in step])))
         np.testing.assert_array_equal(tf.convert_to_tensor(got), want)
         np.testing.assert_array_equal(want, sum(densified(i, v) for i, v in step) / SIZE)
     row_bytes = 8 + 8 * SHAPE[1]
@@ -90,20 +94,32 @@ def topk_rows_conserve() -> dict:
     return {"bytes_sent": sent}
 
 
+def cast_rows_conserve() -> dict:
+    """BF16 over touched rows with error feedback (its rows travel as int16 bits): every
+    update is IndexedSlices equal to the model's, this rank's residual too; applied + every
+    rank's residual == every gradient."""
+    grads = cast_grads(seed=24, replicas=SIZE)
+    updates, residual = run(th.GradientExchange(tfs.BF16()), grads)
+    want, want_residual = cast_model(grads, ml_dtypes.bfloat16, divisor=SIZE)
+    applied = np.zeros(SHAPE)
+    for got, expected in zip(updates, want, strict=True):
+        if not isinstance(got, tf.IndexedSlices):
+            raise AssertionError(f"the update is {type(got).__name__}, not IndexedSlices")
+        np.testing.assert_array_equal(tf.convert_to_tensor(got), expected)
+        applied += expected
+    np.testing.assert_array_equal(residual, want_residual[RANK])
+    every = np.stack(hvd.allgather_object(residual, name="cast_rows_residuals"))
+    total = sum(densified(i, v) for step in grads for i, v in step)
+    np.testing.assert_array_equal(SIZE * applied + every.sum(axis=0), total)
+    return {"residual_rows": int(np.any(residual, axis=1).sum())}
+
+
 def embedding_fit() -> dict:
     """DistributedOptimizer(SGD, TopK) fits an embedding model (sparse gradients under
     model.fit); the ranks' weights stay identical."""
     rng = np.random.default_rng(RANK)
     tokens, targets = rng.integers(0, 40, size=(32, 4)), rng.normal(size=(32, 2))
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((4,), dtype="int32"),
-            keras.layers.Embedding(40, 6),
-            keras.layers.GlobalAveragePooling1D(),
-            keras.layers.Dense(2),
-        ]
-    )
+    model = embedding_model(vocab=40, width=6)
     optimizer = th.DistributedOptimizer(keras.optimizers.SGD(0.2), tfs.TopK(ratio=0.3))
     model.compile(optimizer, "mse", jit_compile=False)
     model.fit(tokens, targets, batch_size=8, epochs=2, verbose=0)
@@ -139,6 +155,7 @@ def main() -> None:
     checks = Checks()
     checks.run("identity_rows", identity_rows)
     checks.run("topk_rows_conserve", topk_rows_conserve)
+    checks.run("cast_rows_conserve", cast_rows_conserve)
     checks.run("embedding_fit", embedding_fit)
     checks.run("sparse_on_one_rank", sparse_on_one_rank)
     checks.exit()
