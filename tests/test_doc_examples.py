@@ -1,26 +1,32 @@
 """Every ```python block of README.md and docs/**/*.md runs, so the documentation cannot drift
 from the code.
 
-Each block is a standalone script, run in a fresh process with a temporary directory as its
-working directory (``TF_CPP_MIN_LOG_LEVEL=3``, no GPU), and must exit 0. An HTML comment on
-the line right before the opening fence selects a launcher:
+Each block is a standalone script, run with a temporary directory as its working directory
+(``TF_CPP_MIN_LOG_LEVEL=3``, no GPU), and must exit 0. An HTML comment on the line right before
+the opening fence selects a launcher:
 
 - ``<!-- example: horovod np=2 -->``: under ``horovodrun -np 2 --gloo``
-  (:func:`tests.test_horovod.horovodrun`);
+  (:func:`tests.test_horovod.horovodrun`); the blocks of one ``np`` share a launch, one
+  after another (``tests/horovod_scripts.py``), each in its own folder and with its own exit
+  status per rank;
 - ``<!-- example: multiworker workers=2 -->``: as 2 local ``MultiWorkerMirroredStrategy``
   workers with their ``TF_CONFIG`` (:func:`tf_sparsify.distribute.run_local_workers`).
 
-Without a comment a block runs in one process. Case ids are ``path:line`` of the opening fence.
+Without a comment a block runs in one process: a fork of an interpreter that has imported
+TensorFlow already (``tests/fork_server.py``; a fresh process for each block would spend ~5 s
+of each on imports). Case ids are ``path:line`` of the opening fence.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -35,6 +41,10 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
 LAUNCHERS = {"python": None, "horovod": "np", "multiworker": "workers"}
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 MARKER = re.compile(r"^\s*<!--\s*example:\s*(?P<launcher>\S+)(?P<args>.*?)\s*-->\s*$")
+# tests/horovod_scripts.py's line after each script, as horovodrun prefixes it
+SCRIPT_STATUS = re.compile(
+    r"^\[(?P<rank>\d+)\]<stdout>:SCRIPT (?P<script>\S+) (?P<code>-?\d+)$", re.M
+)
 
 
 @dataclass(frozen=True)
@@ -112,27 +122,101 @@ def collect() -> list[Example]:
 EXAMPLES = collect()
 
 
+class ForkServer:
+    """Client of ``tests/fork_server.py``: runs scripts in forks of one warm interpreter."""
+
+    def __init__(self):
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "fork_server.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **ENV},
+        )
+
+    def run(self, script: str, timeout: float) -> tuple[int | None, str]:
+        """``(exit status or None after a timeout, stdout and stderr)`` of ``script``, run in
+        its folder."""
+        output = os.path.join(os.path.dirname(script), "output.txt")
+        request = {"script": script, "output": output, "timeout": timeout}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        assert answer, f"the fork server exited with {self.process.wait()}"
+        with open(output, encoding="utf-8", errors="replace") as f:
+            return json.loads(answer)["returncode"], f.read()
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def fork_server() -> Iterator[ForkServer]:
+    server = ForkServer()
+    yield server
+    server.close()
+
+
+class HorovodBatches:
+    """The horovod blocks of one ``np``, run in one launch (``tests/horovod_scripts.py``)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.launches: dict[int, tuple[dict[str, dict[int, int]], dict[str, int], str]] = {}
+
+    def run(self, example: Example) -> tuple[dict[int, int], str]:
+        """``({rank: exit status}, the launch's output up to the end of ``example``)``."""
+        if example.processes not in self.launches:
+            self.launches[example.processes] = self._launch(example.processes)
+        statuses, ends, out = self.launches[example.processes]
+        return statuses.get(example.id, {}), out[: ends.get(example.id, len(out))]
+
+    def _launch(self, ranks: int) -> tuple[dict[str, dict[int, int]], dict[str, int], str]:
+        """``({block: {rank: exit status}}, {block: where its output ends}, the output)``."""
+        scripts = {}
+        for i, example in enumerate(EXAMPLES):
+            if example.launcher == "horovod" and example.processes == ranks:
+                script = self.folder / f"np{ranks}_{i}" / "example.py"
+                script.parent.mkdir()
+                script.write_text(example.code)
+                scripts[str(script)] = example.id
+        runner = os.path.join(ROOT, "tests", "horovod_scripts.py")
+        timeout = TIMEOUT_S * len(scripts)
+        _, out = horovodrun(runner, *scripts, ranks=ranks, timeout=timeout, cwd=str(self.folder))
+        statuses: dict[str, dict[int, int]] = {}
+        ends: dict[str, int] = {}
+        for found in SCRIPT_STATUS.finditer(out):
+            example_id = scripts[found["script"]]
+            statuses.setdefault(example_id, {})[int(found["rank"])] = int(found["code"])
+            ends[example_id] = found.end()
+        return statuses, ends, out
+
+
+@pytest.fixture(scope="module")
+def horovod_batches(tmp_path_factory) -> HorovodBatches:
+    return HorovodBatches(tmp_path_factory.mktemp("horovod_blocks"))
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])
-def test_example_runs(example: Example, tmp_path, monkeypatch):
+def test_example_runs(example: Example, tmp_path, monkeypatch, request):
     script = tmp_path / "example.py"
     script.write_text(example.code)
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     if example.launcher == "horovod":
-        code, out = horovodrun(str(script), ranks=example.processes, cwd=str(tmp_path))
-        assert code == 0, f"{example.id} failed under horovodrun:\n{out[-6000:]}"
+        statuses, out = request.getfixturevalue("horovod_batches").run(example)
+        assert statuses == dict.fromkeys(range(example.processes), 0), (
+            f"{example.id} failed under horovodrun (exit status by rank {statuses}):\n{out[-6000:]}"
+        )
     elif example.launcher == "multiworker":
         monkeypatch.chdir(tmp_path)
         run_local_workers([str(script)], example.processes, timeout=TIMEOUT_S)
     else:
-        proc = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-        assert proc.returncode == 0, f"{example.id} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+        server = request.getfixturevalue("fork_server")
+        code, out = server.run(str(script), TIMEOUT_S)
+        status = f"exit {code}" if code is not None else f"killed after {TIMEOUT_S} s"
+        assert code == 0, f"{example.id} failed ({status}):\n{out[-6000:]}"
 
 
 # -- the collector itself ------------------------------------------------------------------------

@@ -1,14 +1,17 @@
 """Horovod front end, under ``horovodrun -np 2 --gloo`` (launched from here).
 
-Five launches, each batching several checks (a launch costs ~15 s of start-up on 2 cores):
-``horovod_workers/exact.py`` (updates against a hand computation, bytes moved against
-``wire_bytes``, Identity against plain Horovod averaging, Horovod ``compression=`` classes,
-broadcast and metric-averaging callbacks), ``horovod_workers/mismatch.py`` (ranks configured
-differently fail at the first step, fast), ``horovod_workers/hierarchy.py`` (the hierarchical
-exchange on 4 ranks as 2 "nodes" of 2: updates, residuals and bytes against a hand
-computation, conservation, Identity, bad input, mismatches) and the two examples (TopK + EF
-converges on digits, under ``model.fit`` and in a custom loop). The workers print one
-``RESULT {json}`` line per check and rank; these tests assert on them. Nothing is skipped:
+Few launches, each batching several checks (a launch costs ~15 s of start-up on 2 cores). One
+2-rank launch runs four workers one after another (``horovod_workers/suite.py``):
+``exact.py`` (updates against a hand computation, bytes moved against ``wire_bytes``, Identity
+against plain Horovod averaging, Horovod ``compression=`` classes, broadcast and
+metric-averaging callbacks), ``restart.py`` (one checkpoint by rank 0 restores every rank),
+``sparse_rows.py`` (IndexedSlices) and ``mismatch.py`` (ranks configured differently fail at
+the first step, fast). Then ``horovod_workers/hierarchy.py`` (the hierarchical exchange on 4
+ranks as 2 "nodes" of 2: updates, residuals and bytes against a hand computation,
+conservation, Identity, bad input, mismatches), the two examples (TopK + EF converges on
+digits, under ``model.fit`` and in a custom loop) and the elastic jobs. The workers print one
+``RESULT {json}`` line per check and rank, naming their worker; these tests assert on them.
+Nothing is skipped:
 ``make test`` builds Horovod first, and a missing Horovod fails with a message that says how
 to build it.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -79,38 +83,62 @@ def horovodrun(
     return proc.returncode, out
 
 
-def results(out: str) -> dict[str, dict[int, dict]]:
-    """``{check: {rank: result}}`` from the workers' ``RESULT`` lines."""
+def results(out: str, worker: str | None = None) -> dict[str, dict[int, dict]]:
+    """``{check: {rank: result}}`` from the workers' ``RESULT`` lines (``worker``'s alone when
+    given)."""
     found: dict[str, dict[int, dict]] = {}
     for line in out.splitlines():
         if "RESULT " in line:
             record = json.loads(line.split("RESULT ", 1)[1])
-            found.setdefault(record.get("check", "example"), {})[record.get("rank", 0)] = record
+            if worker is None or record.get("worker") == worker:
+                found.setdefault(record.get("check", "example"), {})[record.get("rank", 0)] = record
     return found
 
 
-def _launch(script: str, *args: str, ranks: int = 2) -> dict[str, dict[int, dict]]:
-    code, out = horovodrun(script, *args, ranks=ranks)
+def _run_workers(script: str, *args: str, ranks: int = 2, timeout: int = TIMEOUT_S) -> str:
+    """The output of a launch of worker ``script``; fails when it ended in error with no
+    failed check to show for it."""
+    code, out = horovodrun(script, *args, ranks=ranks, timeout=timeout)
     found = results(out)
     assert found, f"no results from {script} (exit {code}):\n{out[-6000:]}"
     failed = {k: v for k, r in found.items() for v in r.values() if not v.get("ok", True)}
     assert code == 0 or failed, f"{script} exited {code}:\n{out[-6000:]}"
+    return out
+
+
+def _launch(script: str, *args: str, ranks: int = 2) -> dict[str, dict[int, dict]]:
+    return results(_run_workers(script, *args, ranks=ranks))
+
+
+# The 2-rank workers that share one launch, in their order in it.
+SUITE = ("exact", "restart", "sparse_rows", "mismatch")
+
+
+@pytest.fixture(scope="module")
+def suite_output() -> str:
+    script = os.path.join(WORKERS, "suite.py")
+    return _run_workers(script, *SUITE, timeout=len(SUITE) * TIMEOUT_S)
+
+
+def _worker_results(out: str, worker: str) -> dict[str, dict[int, dict]]:
+    found = results(out, worker)
+    assert found, f"no results from {worker} in the shared launch:\n{out[-6000:]}"
     return found
 
 
 @pytest.fixture(scope="module")
-def exact() -> dict[str, dict[int, dict]]:
-    return _launch(os.path.join(WORKERS, "exact.py"))
+def exact(suite_output) -> dict[str, dict[int, dict]]:
+    return _worker_results(suite_output, "exact")
 
 
 @pytest.fixture(scope="module")
-def mismatch() -> dict[str, dict[int, dict]]:
-    return _launch(os.path.join(WORKERS, "mismatch.py"))
+def mismatch(suite_output) -> dict[str, dict[int, dict]]:
+    return _worker_results(suite_output, "mismatch")
 
 
 @pytest.fixture(scope="module")
-def restart() -> dict[str, dict[int, dict]]:
-    return _launch(os.path.join(WORKERS, "restart.py"))
+def restart(suite_output) -> dict[str, dict[int, dict]]:
+    return _worker_results(suite_output, "restart")
 
 
 @pytest.fixture(scope="module")
@@ -317,13 +345,21 @@ def test_hierarchical_bytes_on_the_test_model(hierarchy):
         assert record["across_bytes_per_step"] < record["flat_bytes_per_step"]
 
 
-@pytest.mark.parametrize(
-    "example", ["horovod_keras_digits.py", "horovod_custom_loop.py"], ids=["fit", "custom_loop"]
-)
-def test_topk_error_feedback_converges_on_digits(example):
-    """The examples: TopK 1% + EF, each rank a shard; rank 0 reports accuracy and bytes."""
-    code, out = horovodrun(os.path.join(ROOT, "examples", example), "--epochs=12")
+@pytest.fixture(scope="module")
+def digits_examples() -> dict[str, str]:
+    """``{example: its rank 0 output}`` of one launch running both digits examples."""
+    script = os.path.join(WORKERS, "digits_examples.py")
+    code, out = horovodrun(script, "--epochs=12", timeout=2 * TIMEOUT_S)
     assert code == 0, out[-6000:]
+    parts = re.split(r"^\[0\]<stdout>:EXAMPLE (\S+)$", out, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+@pytest.mark.parametrize("example", ["fit", "custom_loop"])
+def test_topk_error_feedback_converges_on_digits(digits_examples, example):
+    """The examples: TopK 1% + EF, each rank a shard; rank 0 reports accuracy and bytes."""
+    assert example in digits_examples, f"{example} did not run; ran {sorted(digits_examples)}"
+    out = digits_examples[example]
     assert "rank-0 test accuracy" in out
     (record,) = results(out)["example"].values()
     assert record["accuracy"] > 0.9, record
@@ -402,16 +438,23 @@ def test_a_worker_that_comes_back_starts_from_zero(elastic):
 
 
 @pytest.fixture(scope="module")
-def sparse_rows() -> dict[str, dict[int, dict]]:
-    return _launch(os.path.join(WORKERS, "sparse_rows.py"))
+def sparse_rows(suite_output) -> dict[str, dict[int, dict]]:
+    return _worker_results(suite_output, "sparse_rows")
 
 
 @pytest.mark.parametrize(
-    "check", ["identity_rows", "topk_rows_conserve", "embedding_fit", "sparse_on_one_rank"]
+    "check",
+    [
+        "identity_rows",
+        "topk_rows_conserve",
+        "cast_rows_conserve",
+        "embedding_fit",
+        "sparse_on_one_rank",
+    ],
 )
 def test_sparse_gradients_travel_as_rows(sparse_rows, check):
     """IndexedSlices under Horovod (tests/horovod_workers/sparse_rows.py): Identity's update
-    is every rank's rows, equal to the dense path; TopK over touched rows matches the NumPy
-    model and conserves; model.fit on an embedding keeps the ranks in step; a gradient sparse
+    is every rank's rows, equal to the dense path; TopK and BF16 over touched rows match the
+    NumPy model and conserve; model.fit on an embedding keeps the ranks in step; a gradient sparse
     on one rank and dense on the other is a named error."""
     _passed(sparse_rows, check)

@@ -19,6 +19,8 @@ except ImportError as error:
 hvd.init()
 
 PREFIX = "RESULT "
+# The worker whose checks run now: the script's name, or the one suite.py runs.
+WORKER = os.path.splitext(os.path.basename(sys.argv[0]))[0]
 
 
 class Checks:
@@ -39,7 +41,14 @@ class Checks:
         if not ok:
             self.failed.append(name)
         seconds = round(time.perf_counter() - start, 2)
-        line = {"rank": hvd.rank(), "check": name, "ok": ok, "seconds": seconds, **detail}
+        line = {
+            "rank": hvd.rank(),
+            "worker": WORKER,
+            "check": name,
+            "ok": ok,
+            "seconds": seconds,
+            **detail,
+        }
         print(PREFIX + json.dumps(line, default=float), flush=True)
 
     def exit(self) -> None:
