@@ -73,21 +73,28 @@ def identity_rows() -> dict:
     return {"bytes_to_horovod": to_horovod, "dense_bytes_to_horovod": dense_to_horovod}
 
 
+def _conserves(grads, updates, residual, want, want_residual) -> None:
+    """Every update is IndexedSlices equal to the model's ``want``, this rank's residual is
+    ``want_residual[RANK]``, and applied + every rank's residual == every gradient."""
+    applied = np.zeros(SHAPE)
+    for got, expected in zip(updates, want, strict=True):
+        if not isinstance(got, tf.IndexedSlices):
+            raise AssertionError(f"the update is {type(got).__name__}, not IndexedSlices")
+        np.testing.assert_array_equal(tf.convert_to_tensor(got), expected)
+        applied += expected
+    np.testing.assert_array_equal(residual, want_residual[RANK])
+    every = np.stack(hvd.allgather_object(residual))
+    total = sum(densified(i, v) for step in grads for i, v in step)
+    np.testing.assert_array_equal(SIZE * applied + every.sum(axis=0), total)
+
+
 def topk_rows_conserve() -> dict:
     """TopK over touched rows with error feedback: every update and this rank's residual
     equal the model; applied + every rank's residual == every gradient."""
     grads = sparse_grads(seed=22, replicas=SIZE)
     exchange = th.GradientExchange(tfs.TopK(ratio=0.3), error_feedback=True)
     updates, residual = run(exchange, grads)
-    want, want_residual = topk_model(grads, 0.3, divisor=SIZE)
-    applied = np.zeros(SHAPE)
-    for got, expected in zip(updates, want, strict=True):
-        np.testing.assert_array_equal(tf.convert_to_tensor(got), expected)
-        applied += expected
-    np.testing.assert_array_equal(residual, want_residual[RANK])
-    every = np.stack(hvd.allgather_object(residual, name="sparse_rows_residuals"))
-    total = sum(densified(i, v) for step in grads for i, v in step)
-    np.testing.assert_array_equal(SIZE * applied + every.sum(axis=0), total)
+    _conserves(grads, updates, residual, *topk_model(grads, 0.3, divisor=SIZE))
     sent = int(exchange.bytes_sent.numpy())
     if sent != 16 * entries_sent(grads, 0.3, RANK):
         raise AssertionError(f"bytes_sent {sent}")
@@ -100,17 +107,7 @@ def cast_rows_conserve() -> dict:
     rank's residual == every gradient."""
     grads = cast_grads(seed=24, replicas=SIZE)
     updates, residual = run(th.GradientExchange(tfs.BF16()), grads)
-    want, want_residual = cast_model(grads, ml_dtypes.bfloat16, divisor=SIZE)
-    applied = np.zeros(SHAPE)
-    for got, expected in zip(updates, want, strict=True):
-        if not isinstance(got, tf.IndexedSlices):
-            raise AssertionError(f"the update is {type(got).__name__}, not IndexedSlices")
-        np.testing.assert_array_equal(tf.convert_to_tensor(got), expected)
-        applied += expected
-    np.testing.assert_array_equal(residual, want_residual[RANK])
-    every = np.stack(hvd.allgather_object(residual, name="cast_rows_residuals"))
-    total = sum(densified(i, v) for step in grads for i, v in step)
-    np.testing.assert_array_equal(SIZE * applied + every.sum(axis=0), total)
+    _conserves(grads, updates, residual, *cast_model(grads, ml_dtypes.bfloat16, divisor=SIZE))
     return {"residual_rows": int(np.any(residual, axis=1).sum())}
 
 
