@@ -185,14 +185,14 @@ def _sent_rows(
     compressor: Compressor, values: tf.Tensor, old: tf.Tensor | None
 ) -> tuple[tf.Tensor, tf.Tensor | None]:
     """``(rows sent, remainder)`` of ``acc = values + old`` (``old``: the touched rows'
-    residual, ``None`` without error feedback, and then no remainder): ``acc`` itself for
-    ``Identity`` (and a cast whose wire type is no narrower), else ``acc`` in the wire type by
-    the dense cast's fused op, its rounding error the remainder."""
-    wire = compressor.wire_dtype if isinstance(compressor, FP16 | BF16) else values.dtype
-    if values.dtype.size > wire.size:
-        return ops.saturating_cast_feedback(values, old, wire)
-    acc = values if old is None else values + old
-    return acc, None if old is None else tf.zeros_like(acc)
+    residual, ``None`` without error feedback, and then no remainder), by the codec's own
+    dense compression of the rows: ``acc`` itself for ``Identity``, ``acc`` in the wire type
+    for a cast (its fused cast-and-feedback op), the remainder ``acc - decompress(sent)``."""
+    if old is None:
+        payload, _ = compressor.compress(values)
+        return payload[0], None
+    payload, _, remainder = compressor.compress_with_feedback(values, old)
+    return payload[0], remainder
 
 
 def _rows_round(

@@ -50,8 +50,6 @@ __all__ = [
     "qsgd_dequantize",
     "qsgd_quantize",
     "saturating_cast_feedback",
-    "wire_sum",
-    "wire_to_float",
     "scatter_sum",
     "sparse_sgd_apply",
     "topk_error_feedback",
@@ -59,6 +57,8 @@ __all__ = [
     "encode_indices_packed",
     "decode_indices_packed",
     "packed_decompress_sum",
+    "wire_to_float",
+    "wire_sum",
 ]
 
 REQUIRE_ENV = "TF_SPARSIFY_REQUIRE_OPS"
