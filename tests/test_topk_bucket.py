@@ -77,6 +77,28 @@ def test_packed_ops_equal_the_numpy_reference(kernels, kind):
         np.testing.assert_array_equal(bits(d.numpy()), bits(scaled))
 
 
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+def test_packed_op_selects_per_tensor_when_the_bucket_shares_the_threads(kind):
+    """A tensor big enough to be selected on every thread, then tensors that share the
+    threads (each whole on one, largest first, in any order): each selects what it would
+    alone, into its own slice of the output."""
+    rng = np.random.default_rng(2)
+    shapes = [(4099,), (1 << 20,), (300, 7), (5,), (0,), (70001,), (64, 64), (1,), (2, 3)]
+    ks = [4099, 10485, 21, 1, 0, 700, 40, 1, 0]
+    grads = [random(s, kind, rng) for s in shapes]
+    residuals = [random(s, kind, rng) for s in shapes]
+    residuals[2][:] = -grads[2]  # all zeros after the add: ties broken by index
+    values, indices, new = ops.topk_error_feedback_packed(grads, residuals, ks)
+    want = [
+        ref.topk_error_feedback(bits(g), bits(r), k, kind)
+        for g, r, k in zip(grads, residuals, ks, strict=True)
+    ]
+    np.testing.assert_array_equal(bits(values.numpy()), np.concatenate([w[0] for w in want]))
+    np.testing.assert_array_equal(indices.numpy(), np.concatenate([w[1] for w in want]))
+    for r, w in zip(new, want, strict=True):
+        np.testing.assert_array_equal(bits(r.numpy()), w[2])
+
+
 def test_packed_ops_name_bad_arguments():
     g = [tf.ones([3]), tf.ones([2])]
     with pytest.raises(tf.errors.InvalidArgumentError, match="k must be in"):

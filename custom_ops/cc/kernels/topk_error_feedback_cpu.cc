@@ -59,6 +59,8 @@ constexpr int64_t kSmallGather = int64_t{1} << 12;  // so are bands of gathered 
 constexpr int64_t kMinSampled = int64_t{1} << 16;   // smallest n for the sampled fast path
 constexpr int64_t kMaxSamples = int64_t{1} << 15;
 constexpr int64_t kSampleRun = 16;  // consecutive samples (a cache line of float32)
+constexpr int64_t kMinOwnThreads = int64_t{1} << 20;  // packed tensors this big use all threads
+constexpr int64_t kPerTensorCost = 2048;  // a packed tensor's fixed work, in entries
 
 template <typename T>
 using KeyT = typename tfs::KeyOf<sizeof(T)>::Bits;
@@ -488,11 +490,12 @@ bool SampledSelect(OpKernelContext* ctx, const T* grad, const T* residual, T* ac
   return true;
 }
 
+// The top k of grad + residual on up to `threads` threads (1: all in the caller's thread).
 template <typename T, typename Index>
-void TopKErrorFeedbackCpu(OpKernelContext* ctx, const T* grad, const T* residual, T* acc,
-                          int64_t n, int64_t k, T* values, Index* indices) {
+void TopKErrorFeedbackCpu(OpKernelContext* ctx, int64_t threads, const T* grad, const T* residual,
+                          T* acc, int64_t n, int64_t k, T* values, Index* indices) {
   constexpr int kKeyBits = tfs::KeyOf<sizeof(T)>::kBits;
-  Chunks chunks{n, std::clamp<int64_t>(n / kMinChunk, 1, WorkerThreads(ctx))};
+  Chunks chunks{n, std::clamp<int64_t>(n / kMinChunk, 1, threads)};
   chunks.count = std::max(chunks.count, (n + kMaxChunk - 1) / kMaxChunk);
   if (k == 0) {
     ForEachChunk(ctx, chunks.count,
@@ -544,7 +547,8 @@ class TopKErrorFeedbackCpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, PrepareTopK(ctx, DataTypeToEnum<Index>::value, {0, 1}, &out));
     const int64_t n = grad.NumElements();
     if (n == 0) return;
-    TopKErrorFeedbackCpu<T, Index>(ctx, grad.flat<T>().data(), residual.flat<T>().data(),
+    TopKErrorFeedbackCpu<T, Index>(ctx, WorkerThreads(ctx), grad.flat<T>().data(),
+                                   residual.flat<T>().data(),
                                    out.new_residual->flat<T>().data(), n, out.k,
                                    out.values->flat<T>().data(),
                                    out.indices->flat<Index>().data());
@@ -554,6 +558,9 @@ class TopKErrorFeedbackCpuOp : public OpKernel {
 // TopKErrorFeedbackPacked: TopKErrorFeedback of N tensors in one launch (a bucket of many
 // small tensors pays one op dispatch instead of N), each with its own k; values and indices
 // are the tensors' outputs concatenated in input order (indices flat within their tensor).
+// Tensors of kMinOwnThreads entries or more are selected one after another on all threads;
+// the others run side by side, each whole on one thread (their outputs are disjoint slices,
+// so the result does not depend on which thread took which tensor).
 template <typename T, typename Index>
 class TopKErrorFeedbackPackedCpuOp : public OpKernel {
  public:
@@ -593,20 +600,48 @@ class TopKErrorFeedbackPackedCpuOp : public OpKernel {
     Tensor* indices = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &values));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({total}), &indices));
-    T* v = values->flat<T>().data();
-    Index* idx = indices->flat<Index>().data();
+    std::vector<T*> accs(num);
+    std::vector<int64_t> first(num + 1, 0);  // output offset of each tensor
     for (int i = 0; i < num; ++i) {
       Tensor* acc = nullptr;
       OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({i, num + i}, 2 + i,
                                                                  grads[i].shape(), &acc));
+      accs[i] = acc->flat<T>().data();
+      first[i + 1] = first[i] + ks_[i];
+    }
+    const int64_t threads = WorkerThreads(ctx);
+    auto select = [&](int i, int64_t on) {
       const int64_t n = grads[i].NumElements();
-      if (n) {
-        TopKErrorFeedbackCpu<T, Index>(ctx, grads[i].flat<T>().data(),
-                                       residuals[i].flat<T>().data(), acc->flat<T>().data(), n,
-                                       ks_[i], v, idx);
+      if (n == 0) return;
+      TopKErrorFeedbackCpu<T, Index>(ctx, on, grads[i].flat<T>().data(),
+                                     residuals[i].flat<T>().data(), accs[i], n, ks_[i],
+                                     values->flat<T>().data() + first[i],
+                                     indices->flat<Index>().data() + first[i]);
+    };
+    std::vector<int> shared;  // tensors that run whole on one thread, largest first
+    for (int i = 0; i < num; ++i) {
+      if (grads[i].NumElements() >= kMinOwnThreads) {
+        select(i, threads);
+      } else {
+        shared.push_back(i);
       }
-      v += ks_[i];
-      idx += ks_[i];
+    }
+    std::stable_sort(shared.begin(), shared.end(), [&](int a, int b) {
+      return grads[a].NumElements() > grads[b].NumElements();
+    });
+    // Longest first onto the least loaded thread.
+    const int64_t groups = std::min<int64_t>(threads, shared.size());
+    std::vector<std::vector<int>> group(groups);
+    std::vector<int64_t> load(groups, 0);
+    for (int i : shared) {
+      const int64_t g = std::min_element(load.begin(), load.end()) - load.begin();
+      group[g].push_back(i);
+      load[g] += grads[i].NumElements() + kPerTensorCost;
+    }
+    if (groups > 0) {
+      ForEachChunk(ctx, groups, [&](int64_t g) {
+        for (int i : group[g]) select(i, 1);
+      });
     }
   }
 
