@@ -129,13 +129,102 @@ def test_a_tensor_is_not_a_variable(compiled):
         ops.sparse_sgd_apply(tf.constant(init), values, indices, 1.0, 1.0)
 
 
+PACKED_SHAPES = [(6, 7), (5,), (3, 3), (4,)]
+PACKED_KS = [9, 2, 0, 4]  # a variable with no entries among them
+
+
+def packed_case(dtype: str, rows: int, seed: int = 0):
+    """Initial values, then ``[rows, sum(ks)]`` values and per-variable ascending indices."""
+    rng = np.random.default_rng(seed)
+    inits = [rng.normal(size=s).astype(dtype) for s in PACKED_SHAPES]
+    indices = np.concatenate(
+        [
+            np.stack([np.sort(rng.choice(int(np.prod(s)), k, replace=False)) for _ in range(rows)])
+            for s, k in zip(PACKED_SHAPES, PACKED_KS, strict=True)
+        ],
+        axis=1,
+    )
+    values = rng.normal(size=indices.shape).astype(dtype)
+    return inits, values, indices
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["compiled", "reference"])
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_packed_apply_equals_one_apply_per_variable(
+    compiled, monkeypatch, kernels, dtype, rows, index_dtype
+):
+    """Each variable gets exactly what sparse_sgd_apply on its columns gives (the NumPy model)."""
+    if not kernels:
+        monkeypatch.setattr(ops, "_compiled", lambda: None)
+    inits, values, indices = packed_case(dtype, rows, seed=rows)
+    indices = indices.astype(index_dtype)
+    variables = [tf.Variable(init) for init in inits]
+    ops.sparse_sgd_apply_packed(variables, values, indices, PACKED_KS, 0.5, 0.1)
+    start = 0
+    for variable, init, k in zip(variables, inits, PACKED_KS, strict=True):
+        part = slice(start, start + k)
+        want = numpy_sgd(init, values[:, part], indices[:, part], 0.5, 0.1)
+        np.testing.assert_array_equal(variable.numpy(), want)
+        start += k
+
+
+BAD = tf.errors.InvalidArgumentError
+
+
+def replaced(indices: np.ndarray, at: tuple[int, int], value: int) -> np.ndarray:
+    out = indices.copy()
+    out[at] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (
+            lambda v, i, ks: (v, replaced(i, (0, 9), 5), ks),
+            BAD,
+            r"indices of vars\[1\]\[0, 0\] = 5 is out of range \[0, 5\)",
+        ),
+        (
+            lambda v, i, ks: (v, np.concatenate([i[:, :11], i[:, 11:][:, ::-1]], 1), ks),
+            BAD,
+            r"indices of vars\[3\] must be strictly ascending",
+        ),
+        (lambda v, i, ks: (v, i, ks[:3]), BAD, r"ks must be 4 counts >= 0"),
+        (lambda v, i, ks: (v, i, [9, 2, -1, 5]), BAD, r"ks must be 4 counts >= 0"),
+        (lambda v, i, ks: (v, i, [9, 2, 1, 4]), BAD, r"sum\(ks\) = 16 columns"),
+    ],
+)
+def test_packed_apply_checks_every_variable_before_any_changes(compiled, change, error, message):
+    inits, values, indices = packed_case("float32", 2)
+    variables = [tf.Variable(init) for init in inits]
+    values, indices, ks = change(values, indices, PACKED_KS)
+    with pytest.raises(error, match=message):
+        ops.sparse_sgd_apply_packed(variables, values, indices, ks, 1.0, 1.0)
+    for variable, init in zip(variables, inits, strict=True):
+        np.testing.assert_array_equal(variable.numpy(), init)
+
+
+def test_packed_apply_needs_variables_of_one_dtype(compiled):
+    inits, values, indices = packed_case("float32", 1)
+    variables = [tf.Variable(init) for init in inits]
+    variables[2] = tf.Variable(inits[2].astype("float64"))
+    with pytest.raises(BAD, match=r"variables must share one dtype"):
+        ops.sparse_sgd_apply_packed(variables, values, indices, PACKED_KS, 1.0, 1.0)
+    with pytest.raises(BAD, match=r"variables\[1\] must be a resource variable"):
+        ops.sparse_sgd_apply_packed([variables[0], inits[1]], values, indices, [9, 2], 1.0, 1.0)
+
+
 def fit(in_place: bool, monkeypatch, **options) -> tuple[list[np.ndarray], int, int]:
     """Weights and iterations after two epochs of TopK with an SGD schedule; how many
     in-place applies were traced."""
     traced = []
-    real = ops.sparse_sgd_apply
+    real, packed = ops.sparse_sgd_apply, ops.sparse_sgd_apply_packed
     with monkeypatch.context() as patch:
         patch.setattr(ops, "sparse_sgd_apply", lambda *a: traced.append(1) or real(*a))
+        patch.setattr(ops, "sparse_sgd_apply_packed", lambda *a: traced.append(1) or packed(*a))
         if not in_place:
             patch.setattr(sparse_sgd, "applies_in_place", lambda *args: False)
         keras.utils.set_random_seed(0)

@@ -91,6 +91,16 @@ class SparseUpdate:
     indices: tf.Tensor
     #: ``1 / divisor`` (the average over replicas)
     scale: float
+    #: ``(start, k)``: the update is columns ``start:start + k`` of ``values`` and ``indices``,
+    #: which the other units of its packed bucket share (``None``: all columns)
+    columns: tuple[int, int] | None = None
+
+    def entries(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """This update's own ``(values, indices)``, ``[replicas, k]``."""
+        if self.columns is None:
+            return self.values, self.indices
+        start, k = self.columns
+        return self.values[:, start : start + k], self.indices[:, start : start + k]
 
 
 def one_round(codec, payload, ctx, replicas: Replicas, per_replica: bool) -> Protocol:

@@ -8,16 +8,18 @@ work. Here the bucket's TopK units with error feedback are compressed together: 
 selection and residuals as one op per tensor), one :func:`~tf_sparsify.ops.encode_indices_packed`,
 one gathered ``(values, code)`` pair, one finite check, and one
 :func:`~tf_sparsify.ops.packed_decompress_sum` (or, for in-place SGD, one
-:func:`~tf_sparsify.ops.decode_indices_packed` and a split into per-variable
-:class:`~tf_sparsify.compressors.protocol.SparseUpdate`s). The wire bytes are those of the
-units sent alone (the values and index codes, concatenated); updates and residuals are the
-same bits.
+:func:`~tf_sparsify.ops.decode_indices_packed`, each variable's
+:class:`~tf_sparsify.compressors.protocol.SparseUpdate` naming its columns of the gathered
+entries, which :func:`~tf_sparsify.ops.sparse_sgd_apply_packed` applies in one op). The wire
+bytes are those of the units sent alone (the values and index codes, concatenated); updates
+and residuals are the same bits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sparsify import ops
@@ -80,11 +82,10 @@ def _rounds(
     if sparse_updates:
         indices = ops.decode_indices_packed(code, sizes)
         scale = 1.0 / replicas.divisor
+        starts = np.cumsum([0, *ks[:-1]]).tolist()
         update = [
-            SparseUpdate(v, i, scale)
-            for v, i in zip(
-                tf.split(values, ks, axis=1), tf.split(indices, ks, axis=1), strict=True
-            )
+            SparseUpdate(values, indices, scale, (start, k))
+            for start, k in zip(starts, ks, strict=True)
         ]
     else:
         update = ops.packed_decompress_sum(values, code, shapes, ks, 1.0 / replicas.divisor)

@@ -53,7 +53,24 @@ def apply(
     before its step counter moves); ``count_step``: advance that counter here (when the
     optimizer applies no dense update this step)."""
     learning_rate = tf.convert_to_tensor(optimizer.learning_rate)
+    packed: dict[int, list[tuple[SparseUpdate, keras.Variable]]] = {}
     for update, variable in pairs:
-        ops.sparse_sgd_apply(variable, update.values, update.indices, update.scale, learning_rate)
+        if update.columns is None:
+            ops.sparse_sgd_apply(
+                variable, update.values, update.indices, update.scale, learning_rate
+            )
+        else:  # a packed bucket's units share their gathered entries: one op for them all
+            packed.setdefault(id(update.values), []).append((update, variable))
+    for group in packed.values():
+        group.sort(key=lambda pair: pair[0].columns[0])
+        first = group[0][0]
+        ops.sparse_sgd_apply_packed(
+            [variable for _, variable in group],
+            first.values,
+            first.indices,
+            [update.columns[1] for update, _ in group],
+            first.scale,
+            learning_rate,
+        )
     if count_step:
         optimizer.iterations.assign_add(1)

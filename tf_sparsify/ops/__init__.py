@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,7 @@ __all__ = [
     "packed_decompress_sum",
     "wire_to_float",
     "wire_sum",
+    "sparse_sgd_apply_packed",
 ]
 
 REQUIRE_ENV = "TF_SPARSIFY_REQUIRE_OPS"
@@ -616,11 +618,70 @@ def sparse_sgd_apply(
     before the variable changes; the pure-TF reference leaves the checks to TensorFlow's
     scatter. CPU kernel only.
     """
-    handle = getattr(variable, "handle", None)
-    if handle is None or handle.dtype != tf.resource:
-        raise _invalid(f"variable must be a resource variable, got {variable!r}")
-    dtype = tf.as_dtype(variable.dtype)
-    _check_float("variable", dtype)
+    (handle,), dtype = _sgd_variables([variable], "variable")
+    values, indices, scale, learning_rate = _sgd_entries(
+        values, indices, scale, learning_rate, dtype
+    )
+    ops = _compiled()
+    if ops is None:
+        pure_tf.sparse_sgd_apply(variable, values, indices, scale, learning_rate)
+        return
+    ops.sparse_sgd_apply(handle, values, indices, scale, learning_rate)
+
+
+def sparse_sgd_apply_packed(
+    variables: Sequence[Any],
+    values: tf.Tensor,
+    indices: tf.Tensor,
+    ks: Sequence[int],
+    scale: float | tf.Tensor,
+    learning_rate: float | tf.Tensor,
+) -> None:
+    """:func:`sparse_sgd_apply` of several variables of one dtype in one op: ``variables[i]``'s
+    entries are the ``ks[i]`` columns of ``values`` and ``indices`` (``[rows, sum(ks)]``) after
+    those of the variables before it, its indices flat within it. The same bits as one
+    :func:`sparse_sgd_apply` per variable on its columns; the CPU kernel checks every
+    variable's indices before any of them changes. CPU kernel only."""
+    handles, dtype = _sgd_variables(variables, "variables")
+    ks = [int(k) for k in ks]
+    if len(ks) != len(handles) or any(k < 0 for k in ks):
+        raise _invalid(f"ks must be {len(handles)} counts >= 0 (one per variable), got {ks}")
+    values, indices, scale, learning_rate = _sgd_entries(
+        values, indices, scale, learning_rate, dtype
+    )
+    if values.shape[1] is not None and values.shape[1] != sum(ks):
+        raise _invalid(f"values must have sum(ks) = {sum(ks)} columns, got {values.shape}")
+    ops = _compiled()
+    if ops is None:
+        for variable, start, k in zip(variables, np.cumsum([0, *ks[:-1]]), ks, strict=True):
+            part = slice(int(start), int(start) + k)
+            pure_tf.sparse_sgd_apply(
+                variable, values[:, part], indices[:, part], scale, learning_rate
+            )
+        return
+    ops.sparse_sgd_apply_packed(handles, values, indices, scale, learning_rate, ks=ks)
+
+
+def _sgd_variables(variables: Sequence[Any], what: str) -> tuple[list[tf.Tensor], tf.DType]:
+    """The resource handles of ``variables`` (at least one, one float dtype) and that dtype."""
+    handles = [getattr(v, "handle", None) for v in variables]
+    for i, (variable, handle) in enumerate(zip(variables, handles, strict=True)):
+        if handle is None or handle.dtype != tf.resource:
+            name = what if what == "variable" else f"{what}[{i}]"
+            raise _invalid(f"{name} must be a resource variable, got {variable!r}")
+    if not handles:
+        raise _invalid(f"{what} must hold at least one variable")
+    dtypes = {tf.as_dtype(v.dtype) for v in variables}
+    if len(dtypes) != 1:
+        raise _invalid(f"{what} must share one dtype, got {sorted(d.name for d in dtypes)}")
+    dtype = dtypes.pop()
+    _check_float(what, dtype)
+    return handles, dtype
+
+
+def _sgd_entries(values, indices, scale, learning_rate, dtype: tf.DType) -> tuple:
+    """``values`` and ``indices`` checked as ``[rows, k]`` entries for variables of
+    ``dtype``, with ``scale`` and ``learning_rate`` as scalars of ``dtype``."""
     values = tf.convert_to_tensor(values)
     indices = tf.convert_to_tensor(indices)
     if values.dtype != dtype:
@@ -634,12 +695,7 @@ def sparse_sgd_apply(
             f"values and indices must be [rows, k] of one shape, got {values.shape} and "
             f"{indices.shape}"
         )
-    scale, learning_rate = _scalar(scale, dtype), _scalar(learning_rate, dtype)
-    ops = _compiled()
-    if ops is None:
-        pure_tf.sparse_sgd_apply(variable, values, indices, scale, learning_rate)
-        return
-    ops.sparse_sgd_apply(handle, values, indices, scale, learning_rate)
+    return values, indices, _scalar(scale, dtype), _scalar(learning_rate, dtype)
 
 
 def _runs_on_cpu(tensor: tf.Tensor) -> bool:

@@ -40,6 +40,7 @@ OP_NAMES = (
     "IndexCodeEncodePacked",
     "IndexCodeDecodePacked",
     "PackedDecompressSum",
+    "SparseSgdApplyPacked",
 )
 #: every op but ScatterSum, whose gradient :func:`load` registers
 NOT_DIFFERENTIABLE = tuple(name for name in OP_NAMES if name != "ScatterSum")

@@ -13,6 +13,8 @@
 // copy-on-read mode), as AssignSubVariableOp does.
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -28,22 +30,26 @@ namespace tensorflow {
 namespace tfs_ops {
 namespace {
 
-// InvalidArgument naming the first index outside [0, n) or out of ascending order in its row.
+constexpr int64_t kMinEntries = 4096;  // entries per thread, at least
+
+// InvalidArgument naming the first index outside [0, n) or out of ascending order in its row
+// (rows of k entries, `stride` apart; `what` names the indices in the message).
 template <typename Index>
-absl::Status CheckRows(const Index* indices, int64_t rows, int64_t k, int64_t n) {
+absl::Status CheckRows(const Index* indices, int64_t rows, int64_t k, int64_t stride, int64_t n,
+                       const std::string& what) {
   for (int64_t r = 0; r < rows; ++r) {
-    const Index* row = indices + r * k;
+    const Index* row = indices + r * stride;
     for (int64_t j = 0; j < k; ++j) {
       const int64_t x = static_cast<int64_t>(row[j]);
       if (x < 0 || x >= n) {
         return absl::InvalidArgumentError(
-            absl::StrCat("SparseSgdApply: indices[", r, ", ", j, "] = ", x,
-                         " is out of range [0, ", n, ") (the number of elements of var)"));
+            absl::StrCat(what, "[", r, ", ", j, "] = ", x, " is out of range [0, ", n,
+                         ") (the number of elements of its var)"));
       }
       if (j > 0 && x <= static_cast<int64_t>(row[j - 1])) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "SparseSgdApply: each row of indices must be strictly ascending, got indices[", r,
-            ", ", j, "] = ", x, " after ", static_cast<int64_t>(row[j - 1])));
+            "each row of ", what, " must be strictly ascending, got ", what, "[", r, ", ", j,
+            "] = ", x, " after ", static_cast<int64_t>(row[j - 1])));
       }
     }
   }
@@ -51,13 +57,13 @@ absl::Status CheckRows(const Index* indices, int64_t rows, int64_t k, int64_t n)
 }
 
 // data[i] -= (values[r, j] * scale) * lr for the entries with i = indices[r, j] in [lo, hi),
-// row after row.
+// row after row (rows of k entries, `stride` apart).
 template <typename T, typename Index>
-void ApplyRange(const T* values, const Index* indices, int64_t rows, int64_t k, int64_t lo,
-                int64_t hi, T scale, T lr, T* data) {
+void ApplyRange(const T* values, const Index* indices, int64_t rows, int64_t k, int64_t stride,
+                int64_t lo, int64_t hi, T scale, T lr, T* data) {
   for (int64_t r = 0; r < rows; ++r) {
-    const Index* row = indices + r * k;
-    const T* value = values + r * k;
+    const Index* row = indices + r * stride;
+    const T* value = values + r * stride;
     const int64_t begin = std::lower_bound(row, row + k, lo) - row;
     const int64_t end = std::lower_bound(row + begin, row + k, hi) - row;
     for (int64_t j = begin; j < end; ++j) {
@@ -114,7 +120,7 @@ class SparseSgdApplyCpuOp : public OpKernel {
                     ", values have dtype ", DataTypeString(DataTypeToEnum<T>::v()))));
     const int64_t rows = values.dim_size(0), k = values.dim_size(1);
     const Index* idx = indices.flat<Index>().data();
-    OP_REQUIRES_OK(ctx, CheckRows(idx, rows, k, current.NumElements()));
+    OP_REQUIRES_OK(ctx, CheckRows(idx, rows, k, k, current.NumElements(), "SparseSgdApply: indices"));
     OP_REQUIRES_OK(ctx, PrepareToUpdate(ctx, var.get()));
     T* data = var->tensor()->flat<T>().data();
     const T s = scale.scalar<T>()();
@@ -122,11 +128,108 @@ class SparseSgdApplyCpuOp : public OpKernel {
     const T* v = values.flat<T>().data();
     const int64_t n = var->tensor()->NumElements();
     // disjoint ranges of var in parallel, each with its own slices of the rows
-    const Chunks chunks{n, std::max<int64_t>(1, std::min(WorkerThreads(ctx), rows * k / 4096))};
+    const Chunks chunks{n, std::max<int64_t>(1, std::min(WorkerThreads(ctx), rows * k / kMinEntries))};
     ForEachChunk(ctx, chunks.count, [&](int64_t c) {
-      ApplyRange(v, idx, rows, k, chunks.Begin(c), chunks.End(c), s, lr, data);
+      ApplyRange(v, idx, rows, k, k, chunks.Begin(c), chunks.End(c), s, lr, data);
     });
   }
+};
+
+// SparseSgdApplyPacked: SparseSgdApply of N variables in one op; variable i's entries are the
+// ks[i] columns of values and indices after those of the variables before it. Every variable
+// is checked (initialized, dtype, indices) before any changes; then the variables are updated
+// side by side, each whole on one thread under its own lock, largest k first onto the least
+// loaded thread.
+template <typename T, typename Index>
+class SparseSgdApplyPackedCpuOp : public OpKernel {
+ public:
+  explicit SparseSgdApplyPackedCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("ks", &ks_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    port::ScopedFlushDenormal flush;
+    const int num = ctx->num_inputs() - 4;
+    const Tensor& values = ctx->input(num);
+    const Tensor& indices = ctx->input(num + 1);
+    const Tensor& scale = ctx->input(num + 2);
+    const Tensor& learning_rate = ctx->input(num + 3);
+    OP_REQUIRES(ctx, static_cast<int>(ks_.size()) == num,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "SparseSgdApplyPacked: ks must have one k per variable (", num, "), got ",
+                    ks_.size())));
+    int64_t total = 0;
+    for (int i = 0; i < num; ++i) {
+      OP_REQUIRES(ctx, ks_[i] >= 0,
+                  absl::InvalidArgumentError(
+                      absl::StrCat("SparseSgdApplyPacked: ks[", i, "] = ", ks_[i], " < 0")));
+      total += ks_[i];
+    }
+    OP_REQUIRES(ctx,
+                values.dims() == 2 && indices.shape() == values.shape() &&
+                    values.dim_size(1) == total,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "SparseSgdApplyPacked: values and indices must be [rows, sum(ks) = ", total,
+                    "] of one shape, got ", values.shape().DebugString(), " and ",
+                    indices.shape().DebugString())));
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsScalar(scale.shape()) &&
+                    TensorShapeUtils::IsScalar(learning_rate.shape()),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "SparseSgdApplyPacked: scale and learning_rate must be scalars, got shapes ",
+                    scale.shape().DebugString(), " and ", learning_rate.shape().DebugString())));
+    const int64_t rows = values.dim_size(0);
+    const Index* idx = indices.flat<Index>().data();
+    const T* v = values.flat<T>().data();
+    std::vector<core::RefCountPtr<Var>> vars(num);
+    std::vector<int64_t> first(num + 1, 0);
+    for (int i = 0; i < num; ++i) {
+      first[i + 1] = first[i] + ks_[i];
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &vars[i]));
+      tf_shared_lock lock(*vars[i]->mu());
+      const Tensor& current = *vars[i]->tensor();
+      OP_REQUIRES(ctx, current.IsInitialized(),
+                  absl::FailedPreconditionError(absl::StrCat(
+                      "SparseSgdApplyPacked: vars[", i, "] is not initialized")));
+      OP_REQUIRES(ctx, current.dtype() == DataTypeToEnum<T>::v(),
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "SparseSgdApplyPacked: vars[", i, "] has dtype ",
+                      DataTypeString(current.dtype()), ", values have dtype ",
+                      DataTypeString(DataTypeToEnum<T>::v()))));
+      OP_REQUIRES_OK(ctx, CheckRows(idx + first[i], rows, ks_[i], total, current.NumElements(),
+                                    absl::StrCat("SparseSgdApplyPacked: indices of vars[", i,
+                                                 "]")));
+    }
+    const T s = scale.scalar<T>()();
+    const T lr = learning_rate.scalar<T>()();
+    std::vector<int> order(num);
+    for (int i = 0; i < num; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ks_[a] > ks_[b]; });
+    const int64_t groups = std::min<int64_t>(
+        num, std::max<int64_t>(1, std::min(WorkerThreads(ctx), rows * total / kMinEntries)));
+    std::vector<std::vector<int>> group(groups);
+    std::vector<int64_t> load(groups, 0);
+    for (int i : order) {
+      const int64_t g = std::min_element(load.begin(), load.end()) - load.begin();
+      group[g].push_back(i);
+      load[g] += ks_[i] + 1;
+    }
+    std::vector<absl::Status> status(groups);
+    ForEachChunk(ctx, groups, [&](int64_t g) {
+      for (int i : group[g]) {
+        mutex_lock lock(*vars[i]->mu());
+        status[g] = PrepareToUpdate(ctx, vars[i].get());
+        if (!status[g].ok()) return;
+        Tensor* tensor = vars[i]->tensor();
+        ApplyRange(v + first[i], idx + first[i], rows, ks_[i], total, 0, tensor->NumElements(), s,
+                   lr, tensor->flat<T>().data());
+      }
+    });
+    for (const absl::Status& st : status) OP_REQUIRES_OK(ctx, st);
+  }
+
+ private:
+  std::vector<int64_t> ks_;
 };
 
 #define TFS_REGISTER_SPARSE_SGD_CPU(T, Index)                         \
@@ -134,7 +237,12 @@ class SparseSgdApplyCpuOp : public OpKernel {
                               .Device(DEVICE_CPU)                     \
                               .TypeConstraint<T>("T")                 \
                               .TypeConstraint<Index>("Tindex"),       \
-                          SparseSgdApplyCpuOp<T, Index>);
+                          SparseSgdApplyCpuOp<T, Index>);   \
+  REGISTER_KERNEL_BUILDER(Name("SparseSgdApplyPacked")                \
+                              .Device(DEVICE_CPU)                     \
+                              .TypeConstraint<T>("T")                 \
+                              .TypeConstraint<Index>("Tindex"),       \
+                          SparseSgdApplyPackedCpuOp<T, Index>);
 #define TFS_REGISTER_SPARSE_SGD_CPU_ALL(T) \
   TFS_REGISTER_SPARSE_SGD_CPU(T, int32_t)  \
   TFS_REGISTER_SPARSE_SGD_CPU(T, int64_t)

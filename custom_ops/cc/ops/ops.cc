@@ -210,6 +210,34 @@ AssignSubVariableOp, the variable's buffer is copied first when a read still hol
 indices fail with InvalidArgument before var changes.
 )doc");
 
+REGISTER_OP("SparseSgdApplyPacked")
+    .Input("vars: N * resource")
+    .Input("values: T")
+    .Input("indices: Tindex")
+    .Input("scale: T")
+    .Input("learning_rate: T")
+    .Attr("N: int >= 1")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("Tindex: {int32, int64}")
+    .Attr("ks: list(int)")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      const int num = c->num_inputs() - 4;
+      ShapeHandle values;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(num), 2, &values));
+      TF_RETURN_IF_ERROR(c->Merge(values, c->input(num + 1), &values));
+      ShapeHandle scalar;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(num + 2), 0, &scalar));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(num + 3), 0, &scalar));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+SparseSgdApply of N variables in one op: vars[i]'s entries are the ks[i] columns of values and
+indices ([rows, sum(ks)]) after those of vars[0..i), its indices flat within vars[i] and
+strictly ascending in each row. The same bits as one SparseSgdApply per variable on its
+columns; every variable is checked before any changes.
+)doc");
+
 REGISTER_OP("SaturatingCastFeedback")
     .Input("grad: float")
     .Input("residual: N * float")
