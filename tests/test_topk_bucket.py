@@ -31,6 +31,23 @@ def bits(x) -> np.ndarray:
     return x.view(ref.BITS[x.dtype.name]).ravel()
 
 
+def packed_equals_reference(grads, residuals, ks, kind: str):
+    """The packed selection of ``grads`` + ``residuals`` equals the NumPy model's selection of
+    each tensor alone, bit for bit (new residuals in the grads' shapes); returns ``(values,
+    indices, per-tensor model outputs)``."""
+    values, indices, new = ops.topk_error_feedback_packed(grads, residuals, ks)
+    want = [
+        ref.topk_error_feedback(bits(g), bits(r), k, kind)
+        for g, r, k in zip(grads, residuals, ks, strict=True)
+    ]
+    np.testing.assert_array_equal(bits(values.numpy()), np.concatenate([w[0] for w in want]))
+    np.testing.assert_array_equal(indices.numpy(), np.concatenate([w[1] for w in want]))
+    for r, w, g in zip(new, want, grads, strict=True):
+        assert r.shape == g.shape
+        np.testing.assert_array_equal(bits(r.numpy()), w[2])
+    return values, indices, want
+
+
 @pytest.fixture(params=[True, False], ids=["compiled", "reference"])
 def kernels(request, monkeypatch):
     """The compiled kernels, or the pure-TF reference they fall back to."""
@@ -44,16 +61,7 @@ def test_packed_ops_equal_the_numpy_reference(kernels, kind):
     rng = np.random.default_rng(0)
     grads = [random(s, kind, rng) for s in SHAPES]
     residuals = [random(s, kind, rng) for s in SHAPES]
-    values, indices, new = ops.topk_error_feedback_packed(grads, residuals, KS)
-    want = [
-        ref.topk_error_feedback(bits(g), bits(r), k, kind)
-        for g, r, k in zip(grads, residuals, KS, strict=True)
-    ]
-    np.testing.assert_array_equal(bits(values.numpy()), np.concatenate([w[0] for w in want]))
-    np.testing.assert_array_equal(indices.numpy(), np.concatenate([w[1] for w in want]))
-    for r, w, shape in zip(new, want, SHAPES, strict=True):
-        assert r.shape == shape
-        np.testing.assert_array_equal(bits(r.numpy()), w[2])
+    values, indices, want = packed_equals_reference(grads, residuals, KS, kind)
 
     sizes = [(int(np.prod(s)), k) for s, k in zip(SHAPES, KS, strict=True)]
     code = ops.encode_indices_packed(indices, sizes)
@@ -88,15 +96,7 @@ def test_packed_op_selects_per_tensor_when_the_bucket_shares_the_threads(kind):
     grads = [random(s, kind, rng) for s in shapes]
     residuals = [random(s, kind, rng) for s in shapes]
     residuals[2][:] = -grads[2]  # all zeros after the add: ties broken by index
-    values, indices, new = ops.topk_error_feedback_packed(grads, residuals, ks)
-    want = [
-        ref.topk_error_feedback(bits(g), bits(r), k, kind)
-        for g, r, k in zip(grads, residuals, ks, strict=True)
-    ]
-    np.testing.assert_array_equal(bits(values.numpy()), np.concatenate([w[0] for w in want]))
-    np.testing.assert_array_equal(indices.numpy(), np.concatenate([w[1] for w in want]))
-    for r, w in zip(new, want, strict=True):
-        np.testing.assert_array_equal(bits(r.numpy()), w[2])
+    packed_equals_reference(grads, residuals, ks, kind)
 
 
 def test_packed_ops_name_bad_arguments():

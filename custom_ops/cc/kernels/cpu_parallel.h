@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/platform/denormal.h"
@@ -39,6 +40,23 @@ inline void ForEachChunk(OpKernelContext* ctx, int64_t count,
         port::ScopedFlushDenormal flush;
         for (int64_t c = begin; c < end; ++c) fn(c);
       });
+}
+
+// `items` dealt onto at most `threads` lists for ForEachChunk: largest cost first, each onto the
+// least loaded list (cost(i) is item i's estimated work).
+template <typename Cost>
+std::vector<std::vector<int>> LeastLoadedGroups(std::vector<int> items, int64_t threads,
+                                                const Cost& cost) {
+  std::stable_sort(items.begin(), items.end(), [&](int a, int b) { return cost(a) > cost(b); });
+  const int64_t count = std::min<int64_t>(threads, items.size());
+  std::vector<std::vector<int>> groups(count);
+  std::vector<int64_t> load(count, 0);
+  for (int i : items) {
+    const int64_t g = std::min_element(load.begin(), load.end()) - load.begin();
+    groups[g].push_back(i);
+    load[g] += cost(i);
+  }
+  return groups;
 }
 
 }  // namespace tfs_ops

@@ -202,21 +202,14 @@ class SparseSgdApplyPackedCpuOp : public OpKernel {
     }
     const T s = scale.scalar<T>()();
     const T lr = learning_rate.scalar<T>()();
-    std::vector<int> order(num);
-    for (int i = 0; i < num; ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ks_[a] > ks_[b]; });
-    const int64_t groups = std::min<int64_t>(
-        num, std::max<int64_t>(1, std::min(WorkerThreads(ctx), rows * total / kMinEntries)));
-    std::vector<std::vector<int>> group(groups);
-    std::vector<int64_t> load(groups, 0);
-    for (int i : order) {
-      const int64_t g = std::min_element(load.begin(), load.end()) - load.begin();
-      group[g].push_back(i);
-      load[g] += ks_[i] + 1;
-    }
-    std::vector<absl::Status> status(groups);
-    ForEachChunk(ctx, groups, [&](int64_t g) {
-      for (int i : group[g]) {
+    std::vector<int> all(num);
+    for (int i = 0; i < num; ++i) all[i] = i;
+    const int64_t threads =
+        std::max<int64_t>(1, std::min(WorkerThreads(ctx), rows * total / kMinEntries));
+    const auto groups = LeastLoadedGroups(all, threads, [&](int i) { return ks_[i] + 1; });
+    std::vector<absl::Status> status(groups.size());
+    ForEachChunk(ctx, groups.size(), [&](int64_t g) {
+      for (int i : groups[g]) {
         mutex_lock lock(*vars[i]->mu());
         status[g] = PrepareToUpdate(ctx, vars[i].get());
         if (!status[g].ok()) return;

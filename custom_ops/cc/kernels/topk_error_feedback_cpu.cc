@@ -618,7 +618,7 @@ class TopKErrorFeedbackPackedCpuOp : public OpKernel {
                                      values->flat<T>().data() + first[i],
                                      indices->flat<Index>().data() + first[i]);
     };
-    std::vector<int> shared;  // tensors that run whole on one thread, largest first
+    std::vector<int> shared;  // tensors that run whole on one thread
     for (int i = 0; i < num; ++i) {
       if (grads[i].NumElements() >= kMinOwnThreads) {
         select(i, threads);
@@ -626,21 +626,11 @@ class TopKErrorFeedbackPackedCpuOp : public OpKernel {
         shared.push_back(i);
       }
     }
-    std::stable_sort(shared.begin(), shared.end(), [&](int a, int b) {
-      return grads[a].NumElements() > grads[b].NumElements();
-    });
-    // Longest first onto the least loaded thread.
-    const int64_t groups = std::min<int64_t>(threads, shared.size());
-    std::vector<std::vector<int>> group(groups);
-    std::vector<int64_t> load(groups, 0);
-    for (int i : shared) {
-      const int64_t g = std::min_element(load.begin(), load.end()) - load.begin();
-      group[g].push_back(i);
-      load[g] += grads[i].NumElements() + kPerTensorCost;
-    }
-    if (groups > 0) {
-      ForEachChunk(ctx, groups, [&](int64_t g) {
-        for (int i : group[g]) select(i, 1);
+    const auto groups = LeastLoadedGroups(
+        shared, threads, [&](int i) { return grads[i].NumElements() + kPerTensorCost; });
+    if (!groups.empty()) {
+      ForEachChunk(ctx, groups.size(), [&](int64_t g) {
+        for (int i : groups[g]) select(i, 1);
       });
     }
   }
