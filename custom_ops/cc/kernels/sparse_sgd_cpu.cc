@@ -56,6 +56,17 @@ absl::Status CheckRows(const Index* indices, int64_t rows, int64_t k, int64_t st
   return absl::OkStatus();
 }
 
+// InvalidArgument unless scale and learning_rate are scalars (`op` names the op).
+absl::Status CheckScalars(const char* op, const Tensor& scale, const Tensor& learning_rate) {
+  if (TensorShapeUtils::IsScalar(scale.shape()) &&
+      TensorShapeUtils::IsScalar(learning_rate.shape())) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(op, ": scale and learning_rate must be scalars, got shapes ",
+                   scale.shape().DebugString(), " and ", learning_rate.shape().DebugString()));
+}
+
 // data[i] -= (values[r, j] * scale) * lr for the entries with i = indices[r, j] in [lo, hi),
 // row after row (rows of k entries, `stride` apart).
 template <typename T, typename Index>
@@ -102,12 +113,7 @@ class SparseSgdApplyCpuOp : public OpKernel {
                 absl::InvalidArgumentError(absl::StrCat(
                     "SparseSgdApply: values and indices must be [rows, k] of one shape, got ",
                     values.shape().DebugString(), " and ", indices.shape().DebugString())));
-    OP_REQUIRES(ctx,
-                TensorShapeUtils::IsScalar(scale.shape()) &&
-                    TensorShapeUtils::IsScalar(learning_rate.shape()),
-                absl::InvalidArgumentError(absl::StrCat(
-                    "SparseSgdApply: scale and learning_rate must be scalars, got shapes ",
-                    scale.shape().DebugString(), " and ", learning_rate.shape().DebugString())));
+    OP_REQUIRES_OK(ctx, CheckScalars("SparseSgdApply", scale, learning_rate));
     core::RefCountPtr<Var> var;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
     mutex_lock lock(*var->mu());
@@ -172,12 +178,7 @@ class SparseSgdApplyPackedCpuOp : public OpKernel {
                     "SparseSgdApplyPacked: values and indices must be [rows, sum(ks) = ", total,
                     "] of one shape, got ", values.shape().DebugString(), " and ",
                     indices.shape().DebugString())));
-    OP_REQUIRES(ctx,
-                TensorShapeUtils::IsScalar(scale.shape()) &&
-                    TensorShapeUtils::IsScalar(learning_rate.shape()),
-                absl::InvalidArgumentError(absl::StrCat(
-                    "SparseSgdApplyPacked: scale and learning_rate must be scalars, got shapes ",
-                    scale.shape().DebugString(), " and ", learning_rate.shape().DebugString())));
+    OP_REQUIRES_OK(ctx, CheckScalars("SparseSgdApplyPacked", scale, learning_rate));
     const int64_t rows = values.dim_size(0);
     const Index* idx = indices.flat<Index>().data();
     const T* v = values.flat<T>().data();
