@@ -653,11 +653,9 @@ def sparse_sgd_apply_packed(
         raise _invalid(f"values must have sum(ks) = {sum(ks)} columns, got {values.shape}")
     ops = _compiled()
     if ops is None:
-        for variable, start, k in zip(variables, np.cumsum([0, *ks[:-1]]), ks, strict=True):
-            part = slice(int(start), int(start) + k)
-            pure_tf.sparse_sgd_apply(
-                variable, values[:, part], indices[:, part], scale, learning_rate
-            )
+        columns = zip(tf.split(values, ks, axis=1), tf.split(indices, ks, axis=1), strict=True)
+        for variable, (part_values, part_indices) in zip(variables, columns, strict=True):
+            pure_tf.sparse_sgd_apply(variable, part_values, part_indices, scale, learning_rate)
         return
     ops.sparse_sgd_apply_packed(handles, values, indices, scale, learning_rate, ks=ks)
 

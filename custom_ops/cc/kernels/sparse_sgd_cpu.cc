@@ -126,7 +126,8 @@ class SparseSgdApplyCpuOp : public OpKernel {
                     ", values have dtype ", DataTypeString(DataTypeToEnum<T>::v()))));
     const int64_t rows = values.dim_size(0), k = values.dim_size(1);
     const Index* idx = indices.flat<Index>().data();
-    OP_REQUIRES_OK(ctx, CheckRows(idx, rows, k, k, current.NumElements(), "SparseSgdApply: indices"));
+    OP_REQUIRES_OK(ctx,
+                   CheckRows(idx, rows, k, k, current.NumElements(), "SparseSgdApply: indices"));
     OP_REQUIRES_OK(ctx, PrepareToUpdate(ctx, var.get()));
     T* data = var->tensor()->flat<T>().data();
     const T s = scale.scalar<T>()();
@@ -134,7 +135,8 @@ class SparseSgdApplyCpuOp : public OpKernel {
     const T* v = values.flat<T>().data();
     const int64_t n = var->tensor()->NumElements();
     // disjoint ranges of var in parallel, each with its own slices of the rows
-    const Chunks chunks{n, std::max<int64_t>(1, std::min(WorkerThreads(ctx), rows * k / kMinEntries))};
+    const Chunks chunks{n,
+                        std::max<int64_t>(1, std::min(WorkerThreads(ctx), rows * k / kMinEntries))};
     ForEachChunk(ctx, chunks.count, [&](int64_t c) {
       ApplyRange(v, idx, rows, k, k, chunks.Begin(c), chunks.End(c), s, lr, data);
     });
@@ -231,7 +233,7 @@ class SparseSgdApplyPackedCpuOp : public OpKernel {
                               .Device(DEVICE_CPU)                     \
                               .TypeConstraint<T>("T")                 \
                               .TypeConstraint<Index>("Tindex"),       \
-                          SparseSgdApplyCpuOp<T, Index>);   \
+                          SparseSgdApplyCpuOp<T, Index>);     \
   REGISTER_KERNEL_BUILDER(Name("SparseSgdApplyPacked")                \
                               .Device(DEVICE_CPU)                     \
                               .TypeConstraint<T>("T")                 \
