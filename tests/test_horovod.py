@@ -171,6 +171,34 @@ CONFIGS = [
 ]
 
 
+# Horovod ops of one traced step per config (one bucket): grouped all-reduces and grouped
+# all-gathers; the first-step plan check adds one HorovodAllgather in a branch.
+STEP_OPS = {
+    "topk_ef_min_size": (1, 1),  # tensors under min_size go dense
+    "topk_global": (0, 1),
+    "randomk": (1, 0),  # shared coordinates: values are summed
+    "qsgd_int8": (0, 1),
+    "qsgd_int16": (0, 1),
+    "terngrad_uint8": (0, 1),
+    "sign_ef": (0, 1),
+    "bf16_ef": (0, 1),
+    "fp16": (1, 0),
+    "identity": (1, 0),
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_step_makes_one_collective_per_kind_whatever_the_payload_dtypes(exact, config):
+    """A bucket's payload (values, indices or codes, scales: up to three dtypes) travels in one
+    grouped all-gather: every Horovod op pays its own negotiation round and transfer."""
+    reduces, gathers = STEP_OPS[config]
+    want = {"HorovodAllgather": 1}
+    want.update({"HorovodGroupedAllreduce": reduces} if reduces else {})
+    want.update({"HorovodGroupedAllgather": gathers} if gathers else {})
+    for record in _passed(exact, f"update_{config}").values():
+        assert record["horovod_ops"] == want
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_update_is_mean_of_decompressed_payloads_and_bytes_match(exact, config):
     """Optimizer and GradientExchange: update == mean_p decompress(compress(g_p + e_p)) over 2

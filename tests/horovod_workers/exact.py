@@ -9,6 +9,7 @@ computes the expected averaged update itself with the compressors called directl
 from __future__ import annotations
 
 import tempfile
+from collections import Counter
 
 import keras
 import numpy as np
@@ -117,6 +118,13 @@ def train_step(opt, variables: list):
     return apply
 
 
+def horovod_ops(step, grads: list[tf.Tensor]) -> dict[str, int]:
+    """Horovod ops by type in the traced ``step``, its branches included."""
+    graph = step.get_concrete_function(grads).graph.as_graph_def()
+    nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+    return dict(Counter(n.op for n in nodes if n.op.startswith("Horovod")))
+
+
 def check_config(name: str) -> dict:
     make, options = CONFIGS[name]
     expected, expected_residuals = reference(make(), options)
@@ -158,6 +166,7 @@ def check_config(name: str) -> dict:
         "bytes_sent": wire,
         "wire_bytes_per_step": opt.wire_bytes_per_step,
         "dense_bytes_per_step": opt.dense_bytes_per_step,
+        "horovod_ops": horovod_ops(apply, grads_of(RANK, 0)),
     }
 
 

@@ -99,7 +99,7 @@ def run_both(compressor, grads: list[np.ndarray], dtypes: list[str], k: int) -> 
 
 
 def check_exact() -> dict:
-    """Several tensors in one bucket (one all-to-all each, one grouped all-gather per dtype),
+    """Several tensors in one bucket (one all-to-all each, one grouped all-gather of bytes),
     float32 and float16, slices of unequal length (35 and 7 entries are not divisible by 3)."""
     grads = [
         random_grads((7, 5), "float32", 1),

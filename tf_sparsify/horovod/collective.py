@@ -9,8 +9,10 @@ What Horovod 0.28.1 takes, and what this collective does about the rest:
   of receiving all ``P`` payloads instead of one ring reduction.
 - the all-reduce takes ``uint8, int8, int32, int64, float16, float32, float64`` only; other
   summable dtypes (int16, uint16, bool) also go by gather and a local sum.
-- a grouped op needs one dtype: each call makes one grouped op per dtype, and Horovod fuses
-  the group into one transfer.
+- a grouped op needs one dtype, and every Horovod op pays its own negotiation and transfer:
+  the all-gathers send their tensors' bit patterns as ``uint8`` in one grouped op (one
+  transfer for a bucket's values and indices, however many dtypes); the all-reduce makes one
+  grouped op per dtype, and Horovod fuses each group into one transfer.
 - integer ``Average`` truncates, so only ``Sum`` is used; the pipeline divides by ``divisor``.
 - XLA (``jit_compile=True``) cannot compile Horovod's ops (their XLA kernels are not built
   against TF 2.21): a collective made in an XLA context raises a ValueError that says to
@@ -100,14 +102,16 @@ class HorovodCollective(Collective):
         return out
 
     def all_gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Each tensor flat, gathered (so ranks whose payload sizes drifted apart still reach
-        the plan fingerprint's check), then stacked ``[P, *shape]``."""
+        """Each tensor's flat bytes, gathered in one grouped op (flat, so ranks whose payload
+        sizes drifted apart still reach the plan fingerprint's check), then stacked
+        ``[P, *shape]``."""
         tensors = self._gated(tensors)
-        sent, stamp = self._stamped(tensors)
-        flat: list[tf.Tensor | None] = [None] * len(sent)
-        _by_dtype(sent, range(len(sent)), self._gather_flat, flat)
-        flat = self._checked(flat, stamp)
-        return [self._stacked(g, t) for g, t in zip(flat, tensors, strict=True)]
+        sent, stamped = self._stamped([_bytes(t) for t in tensors])
+        gathered = self._checked(self._gather_bytes(sent), stamped)
+        return [
+            tf.reshape(_from_bytes(g, t), [self.num_replicas, *t.shape])
+            for g, t in zip(gathered, tensors, strict=True)
+        ]
 
     def reduce_scatter_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """Each tensor summed over the ranks, then split along its first axis (of a length
@@ -142,12 +146,12 @@ class HorovodCollective(Collective):
         return out
 
     def all_gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        """``hvd.grouped_allgather`` of tensors whose first dimension may differ by rank, one
-        group per dtype (bfloat16 as its int16 bits)."""
-        sent, stamp = self._stamped(self._gated(tensors))
-        out: list[tf.Tensor | None] = [None] * len(sent)
-        _by_dtype(sent, range(len(sent)), self._gather_rows, out)
-        return self._checked(out, stamp)
+        """Tensors whose first dimension may differ by rank, as rows of bytes in one grouped
+        op, each tensor's rows from every rank concatenated."""
+        tensors = self._gated(tensors)
+        sent, stamped = self._stamped([_as_bytes(t) for t in tensors])
+        gathered = self._checked(self._gather_bytes(sent), stamped)
+        return [_from_bytes(g, t) for g, t in zip(gathered, tensors, strict=True)]
 
     # -- transfers (one dtype per call) ------------------------------------------------------
     def _reduce(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -163,25 +167,20 @@ class HorovodCollective(Collective):
         ]
 
     def _gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Each tensor stacked over ranks: ``[P, *shape]``."""
-        gathered = self._gather_flat(tensors)
-        return [self._stacked(g, t) for g, t in zip(gathered, tensors, strict=True)]
-
-    def _gather_flat(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Each tensor flattened, the ranks' concatenated (bfloat16 as its int16 bits)."""
+        """Each tensor stacked over ranks, ``[P, *shape]`` (the all-reduce's fallback for
+        dtypes Horovod cannot reduce; bfloat16 as its int16 bits)."""
         self._count(tensors)
         flat = [tf.reshape(_wire(t), [-1]) for t in tensors]
-        return list(hvd.grouped_allgather(flat, process_set=self._set))
+        gathered = hvd.grouped_allgather(flat, process_set=self._set)
+        return [
+            _unwire(tf.reshape(g, [self.num_replicas, *t.shape]), t.dtype)
+            for g, t in zip(gathered, tensors, strict=True)
+        ]
 
-    def _stacked(self, gathered: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-        """The ranks' flat copies of a tensor like ``like``, as ``[P, *shape]``."""
-        return _unwire(tf.reshape(gathered, [self.num_replicas, *like.shape]), like.dtype)
-
-    def _gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+    def _gather_bytes(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        """``uint8`` tensors, each the ranks' concatenated along its first axis: one op."""
         self._count(tensors)
-        wired = [_wire(t) for t in tensors]
-        gathered = hvd.grouped_allgather(wired, process_set=self._set)
-        return [_unwire(g, t.dtype) for g, t in zip(gathered, tensors, strict=True)]
+        return list(hvd.grouped_allgather(tensors, process_set=self._set))
 
     def _alltoall(self, tensors: list[tf.Tensor], splits: tf.Tensor) -> list[tf.Tensor]:
         """One ``hvd.alltoall`` of the tensors' rows side by side as bytes."""
@@ -200,22 +199,17 @@ class HorovodCollective(Collective):
             sizes = [tf.size(t, out_type=tf.int64) * t.dtype.size for t in tensors]
             self._counter.assign_add(tf.add_n(sizes))
 
-    def _stamped(self, tensors: list[tf.Tensor]) -> tuple[list, tf.DType | None]:
-        """``tensors`` and, on this step's first gather, the fingerprint as one more tensor of
-        the first tensor's wire dtype (so it joins that dtype's group); that dtype."""
-        if self._stamp is None or not tensors:
-            return tensors, None
-        dtype = _wire_dtype(tensors[0].dtype)
-        if dtype == tf.bool:
-            dtype = tf.uint8
-        raw = tf.bitcast(self._stamp[0], tf.uint8)  # [fields, 8]
-        packed = tf.bitcast(tf.reshape(raw, [-1, dtype.size]), dtype)
-        self._packed_stamp = tf.reshape(packed, [-1])
-        return [*tensors, self._packed_stamp], dtype
+    def _stamped(self, raw: list[tf.Tensor]) -> tuple[list, bool]:
+        """``raw`` (``uint8`` tensors) and, on this step's first gather, the fingerprint's
+        bytes as one more (so it travels in the same op); whether it was added."""
+        if self._stamp is None or not raw:
+            return raw, False
+        self._packed_stamp = tf.reshape(tf.bitcast(self._stamp[0], tf.uint8), [-1])
+        return [*raw, self._packed_stamp], True
 
-    def _checked(self, out: list, dtype: tf.DType | None) -> list:
+    def _checked(self, out: list, stamped: bool) -> list:
         """The gathered results, after every rank's fingerprint (the last one) was checked."""
-        if dtype is None:
+        if not stamped:
             return out
         gathered = tf.reshape(out.pop(), [self.num_replicas, -1])
         raw = tf.reshape(tf.bitcast(gathered, tf.uint8), [self.num_replicas, -1, 8])
@@ -265,12 +259,17 @@ def _unwire(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.bitcast(t, dtype) if dtype == tf.bfloat16 else t
 
 
+def _bytes(t: tf.Tensor) -> tf.Tensor:
+    """The bit patterns of ``t``, flat ``uint8``."""
+    raw = tf.cast(t, tf.uint8) if t.dtype == tf.bool else tf.bitcast(t, tf.uint8)
+    return tf.reshape(raw, [-1])
+
+
 def _as_bytes(t: tf.Tensor) -> tf.Tensor:
     """``[rows, bytes per row]`` uint8: the bit patterns of each row of ``t``."""
     if t.shape.rank is None or t.shape.rank < 1 or not t.shape[1:].is_fully_defined():
-        raise ValueError(f"all_to_all sends rows: a tensor of shape {t.shape} has none")
-    raw = tf.cast(t, tf.uint8) if t.dtype == tf.bool else tf.bitcast(t, tf.uint8)
-    return tf.reshape(raw, [-1, t.shape[1:].num_elements() * t.dtype.size])
+        raise ValueError(f"rows travel as bytes: a tensor of shape {t.shape} has no fixed rows")
+    return tf.reshape(_bytes(t), [-1, t.shape[1:].num_elements() * t.dtype.size])
 
 
 def _from_bytes(raw: tf.Tensor, like: tf.Tensor) -> tf.Tensor:

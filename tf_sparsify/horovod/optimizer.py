@@ -18,12 +18,12 @@ class DistributedOptimizer(SparsifiedOptimizer):
     """A :class:`~tf_sparsify.keras.SparsifiedOptimizer` whose payloads travel by Horovod (its
     transport is a :class:`~tf_sparsify.horovod.HorovodTransport`).
 
-    For ``model.compile`` / ``model.fit`` under ``horovodrun``: sparse payloads by
-    ``hvd.grouped_allgather``, summable ones by ``hvd.grouped_allreduce`` (``Sum``), one group
-    per dtype, and the sum of the decompressed payloads is divided by ``hvd.size()`` (each
-    rank's loss is its own mean). Everything else (options, residuals, ``bytes_sent``,
-    serialization) is the wrapper's; ``compressor=None`` means ``Identity()``, plain Horovod
-    averaging.
+    For ``model.compile`` / ``model.fit`` under ``horovodrun``: sparse payloads by one
+    ``hvd.grouped_allgather`` of their bytes, summable ones by ``hvd.grouped_allreduce``
+    (``Sum``, one group per dtype), and the sum of the decompressed payloads is divided by
+    ``hvd.size()`` (each rank's loss is its own mean). Everything else (options, residuals,
+    ``bytes_sent``, serialization) is the wrapper's; ``compressor=None`` means ``Identity()``,
+    plain Horovod averaging.
 
     Before the first exchange of a process the ranks compare fingerprints of their plans, and
     every later step's first gather carries them too; ranks configured differently (also by a
