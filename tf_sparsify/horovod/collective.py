@@ -2,8 +2,8 @@
 
 What Horovod 0.28.1 takes, and what this collective does about the rest:
 
-- every Horovod op rejects ``bfloat16``: bfloat16 tensors are gathered as their ``int16`` bit
-  pattern; a bfloat16 all-reduce (the ``BF16`` compressor's payload) becomes that gather plus a
+- every Horovod op rejects ``bfloat16``: gathers send every tensor as its bytes (``uint8``);
+  a bfloat16 all-reduce (the ``BF16`` compressor's payload) becomes that gather plus a
   local sum in float32, rounded back to bfloat16. Each rank then hands Horovod exactly the
   payload's bytes (a cast to float32 for Horovod's all-reduce would double them), at the cost
   of receiving all ``P`` payloads instead of one ring reduction.
@@ -32,7 +32,7 @@ from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.ops.xla import in_xla_context
 
 _REDUCIBLE = (tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64)
-_GATHERABLE = (*_REDUCIBLE, tf.uint16, tf.int16, tf.bool)
+_GATHERABLE = (*_REDUCIBLE, tf.uint16, tf.int16, tf.bool, tf.bfloat16)
 
 
 def reject_xla() -> None:
@@ -98,20 +98,21 @@ class HorovodCollective(Collective):
         native = [i for i, t in enumerate(tensors) if t.dtype in _REDUCIBLE]
         _by_dtype(tensors, native, self._reduce, out)
         other = [i for i in range(len(tensors)) if i not in native]
-        _by_dtype(tensors, other, self._gather, out, lambda i, g: _local_sum(g))
+        if other:
+            sent = _gatherable([tensors[i] for i in other])
+            gathered = self._gather_bytes([_bytes(t) for t in sent])
+            for i, g in zip(other, gathered, strict=True):
+                out[i] = _local_sum(self._stacked(g, tensors[i]))
         return out
 
     def all_gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """Each tensor's flat bytes, gathered in one grouped op (flat, so ranks whose payload
         sizes drifted apart still reach the plan fingerprint's check), then stacked
         ``[P, *shape]``."""
-        tensors = self._gated(tensors)
+        tensors = _gatherable(self._gated(tensors))
         sent, stamped = self._stamped([_bytes(t) for t in tensors])
         gathered = self._checked(self._gather_bytes(sent), stamped)
-        return [
-            tf.reshape(_from_bytes(g, t), [self.num_replicas, *t.shape])
-            for g, t in zip(gathered, tensors, strict=True)
-        ]
+        return [self._stacked(g, t) for g, t in zip(gathered, tensors, strict=True)]
 
     def reduce_scatter_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """Each tensor summed over the ranks, then split along its first axis (of a length
@@ -148,7 +149,7 @@ class HorovodCollective(Collective):
     def all_gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """Tensors whose first dimension may differ by rank, as rows of bytes in one grouped
         op, each tensor's rows from every rank concatenated."""
-        tensors = self._gated(tensors)
+        tensors = _gatherable(self._gated(tensors))
         sent, stamped = self._stamped([_as_bytes(t) for t in tensors])
         gathered = self._checked(self._gather_bytes(sent), stamped)
         return [_from_bytes(g, t) for g, t in zip(gathered, tensors, strict=True)]
@@ -166,21 +167,14 @@ class HorovodCollective(Collective):
             for p, t in zip(parts, tensors, strict=True)
         ]
 
-    def _gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Each tensor stacked over ranks, ``[P, *shape]`` (the all-reduce's fallback for
-        dtypes Horovod cannot reduce; bfloat16 as its int16 bits)."""
-        self._count(tensors)
-        flat = [tf.reshape(_wire(t), [-1]) for t in tensors]
-        gathered = hvd.grouped_allgather(flat, process_set=self._set)
-        return [
-            _unwire(tf.reshape(g, [self.num_replicas, *t.shape]), t.dtype)
-            for g, t in zip(gathered, tensors, strict=True)
-        ]
-
     def _gather_bytes(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """``uint8`` tensors, each the ranks' concatenated along its first axis: one op."""
         self._count(tensors)
         return list(hvd.grouped_allgather(tensors, process_set=self._set))
+
+    def _stacked(self, gathered: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+        """The ranks' flat bytes of a tensor like ``like``, as ``[P, *shape]``."""
+        return tf.reshape(_from_bytes(gathered, like), [self.num_replicas, *like.shape])
 
     def _alltoall(self, tensors: list[tf.Tensor], splits: tf.Tensor) -> list[tf.Tensor]:
         """One ``hvd.alltoall`` of the tensors' rows side by side as bytes."""
@@ -233,30 +227,22 @@ def _by_dtype(
     out: list,
     finish: Callable[[int, tf.Tensor], tf.Tensor] = lambda i, result: result,
 ) -> None:
-    """One ``transfer`` call per wire dtype of ``tensors[indices]`` (in first-seen order);
+    """One ``transfer`` call per dtype of ``tensors[indices]`` (in first-seen order);
     ``out[i]`` is ``finish(i, result)`` for each tensor's result."""
     groups: dict[tf.DType, list[int]] = {}
     for i in indices:
-        groups.setdefault(_wire_dtype(tensors[i].dtype), []).append(i)
+        groups.setdefault(tensors[i].dtype, []).append(i)
     for idx in groups.values():
         for i, result in zip(idx, transfer([tensors[i] for i in idx]), strict=True):
             out[i] = finish(i, result)
 
 
-def _wire_dtype(dtype: tf.DType) -> tf.DType:
-    return tf.int16 if dtype == tf.bfloat16 else dtype
-
-
-def _wire(t: tf.Tensor) -> tf.Tensor:
-    if t.dtype == tf.bfloat16:
-        return tf.bitcast(t, tf.int16)
-    if t.dtype not in _GATHERABLE:
-        raise ValueError(f"Horovod cannot gather tensors of dtype {t.dtype.name}")
-    return t
-
-
-def _unwire(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    return tf.bitcast(t, dtype) if dtype == tf.bfloat16 else t
+def _gatherable(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+    """``tensors``, or a ValueError naming a dtype the gathers do not take."""
+    for t in tensors:
+        if t.dtype not in _GATHERABLE:
+            raise ValueError(f"Horovod cannot gather tensors of dtype {t.dtype.name}")
+    return tensors
 
 
 def _bytes(t: tf.Tensor) -> tf.Tensor:
