@@ -186,8 +186,8 @@ class HorovodCollective(Collective):
         return [_from_bytes(p, t) for p, t in zip(parts, tensors, strict=True)]
 
     def _count(self, tensors: list[tf.Tensor]) -> None:
-        """Add the bytes of ``tensors`` to the counter (the plan fingerprint is not payload;
-        a bfloat16 tensor counts as its int16 bits, the same size)."""
+        """Add the bytes of ``tensors`` to the counter (the plan fingerprint is not
+        payload)."""
         tensors = [t for t in tensors if t is not self._packed_stamp]
         if self._counter is not None and tensors:
             sizes = [tf.size(t, out_type=tf.int64) * t.dtype.size for t in tensors]
