@@ -155,23 +155,28 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
 
 
 def exchange_only(optimizer) -> Callable[[], float]:
-    """A step that only moves random payloads of the optimizer's plan (values and indices of
-    each unit, one all-gather per bucket, as the pipeline does) through its collective, and
-    counts them in ``bytes_sent``."""
+    """A step that only moves payloads of the optimizer's plan (values and indices of each
+    unit, one all-gather per bucket, as the pipeline does) through its collective, and counts
+    them in ``bytes_sent``. The payloads are drawn once, before any step, so a step costs the
+    exchange and nothing else."""
     units = optimizer.units
-    buckets = sorted({u.bucket for u in units})
-    rng = tf.random.Generator.from_seed(SEED)
+    rng = np.random.default_rng(SEED)
+    payloads: dict[int, list[tf.Variable]] = {}
+    for unit in units:
+        k = unit.compressor.entries_sent(unit.num_elements)
+        payloads.setdefault(unit.bucket, []).extend(
+            [
+                tf.Variable(rng.standard_normal(k, dtype=np.float32), trainable=False),
+                tf.Variable(rng.integers(0, unit.num_elements, k, dtype=np.int32), trainable=False),
+            ]
+        )
 
     @tf.function
     def move() -> tf.Tensor:
         collective = optimizer.collective()
         total = tf.constant(0.0)
-        for bucket in buckets:
-            payload = []
-            for unit in (u for u in units if u.bucket == bucket):
-                k = unit.compressor.entries_sent(unit.num_elements)
-                payload += [rng.normal([k]), rng.uniform([k], 0, unit.num_elements, tf.int32)]
-            gathered = collective.all_gather(payload)
+        for bucket in sorted(payloads):
+            gathered = collective.all_gather([v.read_value() for v in payloads[bucket]])
             total += tf.add_n([tf.reduce_sum(tf.cast(g[:, :1], tf.float32)) for g in gathered])
         optimizer.bytes_sent.assign_add(optimizer.wire_bytes_per_step)
         optimizer.exchange_steps.assign_add(1)
