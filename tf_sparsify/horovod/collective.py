@@ -65,7 +65,7 @@ class HorovodCollective(Collective):
             the hierarchical exchange sums node sums over the nodes and divides by all ranks).
         stamp: ``(fingerprint, check)``: this rank's plan fingerprint (int64) and what checks
             every rank's (``[ranks, fields] -> op``). The step's first gather carries the
-            fingerprint inside its first dtype group (no extra Horovod op), so ranks whose
+            fingerprint's bytes in its one grouped op (no extra Horovod op), so ranks whose
             plans drifted apart later (``set_compressor`` on one rank) fail alike, by name.
     """
 
@@ -87,7 +87,6 @@ class HorovodCollective(Collective):
         self._after = after
         self._counter = counter
         self._stamp = stamp
-        self._packed_stamp: tf.Tensor | None = None
 
     def replica_id(self) -> tf.Tensor:
         return tf.constant(self._rank, tf.int32)
@@ -110,8 +109,7 @@ class HorovodCollective(Collective):
         sizes drifted apart still reach the plan fingerprint's check), then stacked
         ``[P, *shape]``."""
         tensors = _gatherable(self._gated(tensors))
-        sent, stamped = self._stamped([_bytes(t) for t in tensors])
-        gathered = self._checked(self._gather_bytes(sent), stamped)
+        gathered = self._gather_bytes([_bytes(t) for t in tensors], stamped=True)
         return [self._stacked(g, t) for g, t in zip(gathered, tensors, strict=True)]
 
     def reduce_scatter_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -150,8 +148,7 @@ class HorovodCollective(Collective):
         """Tensors whose first dimension may differ by rank, as rows of bytes in one grouped
         op, each tensor's rows from every rank concatenated."""
         tensors = _gatherable(self._gated(tensors))
-        sent, stamped = self._stamped([_as_bytes(t) for t in tensors])
-        gathered = self._checked(self._gather_bytes(sent), stamped)
+        gathered = self._gather_bytes([_as_bytes(t) for t in tensors], stamped=True)
         return [_from_bytes(g, t) for g, t in zip(gathered, tensors, strict=True)]
 
     # -- transfers (one dtype per call) ------------------------------------------------------
@@ -167,10 +164,21 @@ class HorovodCollective(Collective):
             for p, t in zip(parts, tensors, strict=True)
         ]
 
-    def _gather_bytes(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        """``uint8`` tensors, each the ranks' concatenated along its first axis: one op."""
-        self._count(tensors)
-        return list(hvd.grouped_allgather(tensors, process_set=self._set))
+    def _gather_bytes(self, raw: list[tf.Tensor], stamped: bool = False) -> list[tf.Tensor]:
+        """``uint8`` tensors, each the ranks' concatenated along its first axis: one op. With
+        ``stamped``, on this step's first gather the plan fingerprint's bytes travel in the
+        same op (not counted as payload) and every rank's is checked before any result is
+        used."""
+        self._count(raw)
+        stamp = self._stamp if stamped and raw else None
+        mine = [] if stamp is None else [tf.reshape(tf.bitcast(stamp[0], tf.uint8), [-1])]
+        out = list(hvd.grouped_allgather([*raw, *mine], process_set=self._set))
+        if stamp is None:
+            return out
+        self._stamp = None
+        stamps = tf.bitcast(tf.reshape(out.pop(), [self.num_replicas, -1, 8]), tf.int64)
+        with tf.control_dependencies([stamp[1](stamps)]):
+            return [tf.identity(t) for t in out]
 
     def _stacked(self, gathered: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
         """The ranks' flat bytes of a tensor like ``like``, as ``[P, *shape]``."""
@@ -186,32 +194,10 @@ class HorovodCollective(Collective):
         return [_from_bytes(p, t) for p, t in zip(parts, tensors, strict=True)]
 
     def _count(self, tensors: list[tf.Tensor]) -> None:
-        """Add the bytes of ``tensors`` to the counter (the plan fingerprint is not
-        payload)."""
-        tensors = [t for t in tensors if t is not self._packed_stamp]
+        """Add the bytes of ``tensors`` to the counter."""
         if self._counter is not None and tensors:
             sizes = [tf.size(t, out_type=tf.int64) * t.dtype.size for t in tensors]
             self._counter.assign_add(tf.add_n(sizes))
-
-    def _stamped(self, raw: list[tf.Tensor]) -> tuple[list, bool]:
-        """``raw`` (``uint8`` tensors) and, on this step's first gather, the fingerprint's
-        bytes as one more (so it travels in the same op); whether it was added."""
-        if self._stamp is None or not raw:
-            return raw, False
-        self._packed_stamp = tf.reshape(tf.bitcast(self._stamp[0], tf.uint8), [-1])
-        return [*raw, self._packed_stamp], True
-
-    def _checked(self, out: list, stamped: bool) -> list:
-        """The gathered results, after every rank's fingerprint (the last one) was checked."""
-        if not stamped:
-            return out
-        gathered = tf.reshape(out.pop(), [self.num_replicas, -1])
-        raw = tf.reshape(tf.bitcast(gathered, tf.uint8), [self.num_replicas, -1, 8])
-        stamps = tf.bitcast(raw, tf.int64)
-        check = self._stamp[1](stamps)
-        self._stamp = None
-        with tf.control_dependencies([check]):
-            return [tf.identity(t) for t in out]
 
     def _gated(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         if self._after is None or not tensors:
