@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import tf_sparsify as tfs
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
+from tf_sparsify.replica_values import saved_value
 
 RNG = np.random.default_rng(7)
 X = RNG.normal(size=(64, 10)).astype("float32")
@@ -132,14 +133,79 @@ def _trained(make_optimizer, steps=3) -> keras.Model:
     ids=["qsgd", "no_error_feedback", "other_ratio"],
 )
 def test_another_configuration_is_named_and_nothing_is_assigned(tmp_path, other):
+    """Refused before TF assigns anything: the model, the inner optimizer and the wrapper keep
+    their values (the manifest is a Python state, restored before every tensor)."""
     saved = _trained(lambda: tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.05), tfs.TopK(0.2)))
-    path = tf.train.Checkpoint(optimizer=saved.optimizer).save(str(tmp_path / "c"))
+    path = tf.train.Checkpoint(model=saved, optimizer=saved.optimizer).save(str(tmp_path / "c"))
     target = _trained(other, steps=1)
+    model_before = [w.copy() for w in target.get_weights()]
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(model_before, saved.get_weights(), strict=True)
+    )
     before = [v.numpy().copy() for v in target.optimizer.variables]
     with pytest.raises(ValueError, match=r"another configuration.*TopK.*this exchange"):
-        tf.train.Checkpoint(optimizer=target.optimizer).restore(path)
+        tf.train.Checkpoint(model=target, optimizer=target.optimizer).restore(path)
     for want, variable in zip(before, target.optimizer.variables, strict=True):
         np.testing.assert_array_equal(want, variable.numpy())
+    for want, got in zip(model_before, target.get_weights(), strict=True):
+        np.testing.assert_array_equal(want, got)
+
+
+def test_another_configuration_is_refused_before_the_optimizer_is_built(tmp_path):
+    saved = _trained(lambda: tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.05), tfs.TopK(0.2)))
+    path = tf.train.Checkpoint(model=saved, optimizer=saved.optimizer).save(str(tmp_path / "c"))
+    keras.utils.set_random_seed(11)
+    target = keras.Sequential([keras.Input((10,)), keras.layers.Dense(12), keras.layers.Dense(4)])
+    target.compile(tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.05), tfs.QSGD(4)), "mse")
+    model_before = [w.copy() for w in target.get_weights()]
+    with pytest.raises(ValueError, match=r"another configuration"):
+        tf.train.Checkpoint(model=target, optimizer=target.optimizer).restore(path)
+    for want, got in zip(model_before, target.get_weights(), strict=True):
+        np.testing.assert_array_equal(want, got)
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one_device", "mirrored"])
+def test_a_restore_before_the_optimizer_is_built_continues_exactly(
+    tmp_path, mirrored2, distributed
+):
+    """Deferred restoration: the values wait until ``fit`` builds the optimizer inside its
+    traced step, then training continues as if it had never stopped."""
+    strategy = mirrored2 if distributed else tf.distribute.get_strategy()
+
+    def compiled() -> keras.Model:
+        with strategy.scope():
+            model = _model()
+            model.compile(_sgd_topk(), "mse")
+        return model
+
+    straight = compiled()
+    _fit(straight, 2)
+    first = compiled()
+    _fit(first, 1)
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(str(tmp_path / "c"))
+    resumed = compiled()
+    assert not resumed.optimizer.built
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path)
+    _fit(resumed, 1)
+    assert int(resumed.optimizer.iterations.numpy()) == 2 * len(X) // 16
+    for a, b in zip(straight.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(straight.optimizer.residuals, resumed.optimizer.residuals, strict=True):
+        np.testing.assert_array_equal(saved_value(a), saved_value(b))
+
+
+def test_building_outside_the_strategy_scope_is_refused(mirrored2):
+    """Per-replica residuals made outside the scope would be one variable both replicas
+    share: refused as Keras refuses, naming the scope."""
+    with mirrored2.scope():
+        model = _model()
+        optimizer = _sgd_topk()
+    with pytest.raises(ValueError, match=r"MirroredStrategy.*strategy\.scope\(\)"):
+        optimizer.build(model.trainable_variables)
+    assert not optimizer.built and optimizer.residuals == []
+    with mirrored2.scope():
+        optimizer.build(model.trainable_variables)
+    assert len(_rows(optimizer.residuals[0])) == 2
 
 
 def test_powersgd_rank_change_fails_before_the_residuals_are_overwritten(tmp_path):

@@ -63,6 +63,8 @@ class ExchangeCheckpoint(trackable.Trackable):
             number of rows in the job, for a variable with ``local`` rows here.
         built: whether the state's variables exist (a restore before waits for :meth:`build`).
         step: the state's step counter (whose value tells whether gathered rows are current).
+        gather: ``local rows -> every row of the job`` where every process joins a checkpoint
+            write (``MultiWorkerMirroredStrategy``), or ``None`` where a write is local.
     """
 
     def __init__(
@@ -72,12 +74,15 @@ class ExchangeCheckpoint(trackable.Trackable):
         rows: Callable[[int], tuple[int, int]],
         built: Callable[[], bool],
         step: Callable[[], Any],
+        gather: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray] | None],
     ):
         self._entries = entries
         self._config = config
         self._rows = rows
         self._built = built
         self._step = step
+        self._gather = gather
+        self._manifest = _Manifest(self)
         self._gathered: dict[str, np.ndarray] = {}
         self._gathered_at: int | None = None
         self._pending: list[bytes] | None = None
@@ -102,37 +107,51 @@ class ExchangeCheckpoint(trackable.Trackable):
         """This process's rows of every per-replica variable."""
         return {e.key: _stacked(e.variable) for e in self._entries() if e.kind in PER_REPLICA_KINDS}
 
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """The manifest, a Python state: TF restores those before any tensor, so a
+        checkpoint that does not fit is refused before the model's variables are assigned."""
+        return {"manifest": self._manifest}
+
+    def describe(self, entries: list[Entry]) -> dict:
+        """The manifest of ``entries``: format, exchange configuration, each entry's key,
+        kind, shape and dtype."""
+        described = [
+            {
+                "key": e.key,
+                "about": e.about,
+                "kind": e.kind,
+                "shape": list(e.variable.shape),
+                "dtype": tf.as_dtype(e.variable.dtype).name,
+            }
+            for e in entries
+        ]
+        return {"format": FORMAT, "config": self._config(), "entries": described}
+
     def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
         entries = self._entries()
-        use_gathered = bool(self._gathered) and self._gathered_at == self._current_step()
-        blobs, described = [], []
-        first = world = None
-        for key, variable, kind, about in entries:
-            if kind in PER_REPLICA_KINDS:
-                value = self._gathered[key] if use_gathered else _stacked(variable)
-                if first is None:
-                    first, world = (0, len(value)) if use_gathered else self._rows(len(value))
-            else:
-                value = np.asarray(tf.convert_to_tensor(variable))
-            described.append(
-                {
-                    "key": key,
-                    "about": about,
-                    "kind": kind,
-                    "shape": list(variable.shape),
-                    "dtype": tf.as_dtype(variable.dtype).name,
-                }
-            )
+        rows, first, world = self._rows_to_save()
+        blobs = []
+        for key, variable, kind, _ in entries:
+            value = rows[key] if kind in PER_REPLICA_KINDS else tf.convert_to_tensor(variable)
             blobs.append(tf.io.serialize_tensor(tf.convert_to_tensor(value)).numpy())
-        manifest = {
-            "format": FORMAT,
-            "config": self._config(),
-            "first_row": first,
-            "world": world,
-            "entries": described,
-        }
+        manifest = {**self.describe(entries), "first_row": first, "world": world}
         texts = [json.dumps(manifest, sort_keys=True).encode()] + blobs
         return {"state": tf.constant(np.array(texts, dtype=object))}
+
+    def _rows_to_save(self) -> tuple[dict[str, np.ndarray], int | None, int | None]:
+        """The rows a checkpoint written now holds, the first one's index and the job's row
+        count: gathered ones (every row), else this process's."""
+        if self._gathered and self._gathered_at == self._current_step():
+            rows = self._gathered
+        else:
+            local = self.local_rows()
+            rows = self._gather(local) if local else None
+            if rows is None:
+                if not local:
+                    return {}, None, None
+                first, world = self._rows(len(next(iter(local.values()))))
+                return local, first, world
+        return rows, 0, len(next(iter(rows.values())))
 
     # -- restoring ------------------------------------------------------------------------------
     def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]):
@@ -144,10 +163,20 @@ class ExchangeCheckpoint(trackable.Trackable):
         return tf.no_op()
 
     def build(self) -> None:
-        """Apply a restore that came before the state's variables existed."""
+        """Apply a restore that came before the state's variables existed (eagerly, also when
+        the state is built inside a traced train step)."""
         if self._pending is not None:
             texts, self._pending = self._pending, None
-            self._apply(texts)
+            with tf.init_scope():
+                self._apply(texts)
+
+    def check_manifest(self, manifest: dict) -> None:
+        """Refuse a checkpoint whose manifest does not fit this state (before anything is
+        restored); before the state is built, only its configuration can be compared."""
+        if self._built():
+            self._check(manifest, self._entries())
+        else:
+            self._check_config(manifest)
 
     def _apply(self, texts: list[bytes]) -> None:
         manifest = json.loads(texts[0])
@@ -198,20 +227,10 @@ class ExchangeCheckpoint(trackable.Trackable):
                     own[key] = value
         self.restore_rows_of_process(own)
 
-    def _check(self, manifest: dict, entries: list[Entry]) -> None:
-        """ValueError naming what differs between the checkpoint and this state."""
+    def _check_config(self, manifest: dict) -> None:
+        """ValueError naming both configurations when they differ (unless accepted)."""
         if manifest.get("format") != FORMAT:
             raise ValueError(f"Unknown tf_sparsify checkpoint format {manifest.get('format')!r}.")
-        saved = {
-            e["key"]: (e["kind"], e["shape"], e["dtype"])
-            for e in manifest["entries"]
-            if e["key"] not in OPTIONAL_KEYS
-        }
-        current = {
-            e.key: (e.kind, list(e.variable.shape), tf.as_dtype(e.variable.dtype).name)
-            for e in entries
-            if e.key not in OPTIONAL_KEYS
-        }
         config, saved_config = self._config(), manifest["config"]
         if config != saved_config and not self.accept_other_config:
             raise ValueError(
@@ -222,6 +241,20 @@ class ExchangeCheckpoint(trackable.Trackable):
                 "(`optimizer.exchange_checkpoint` / `exchange.exchange_checkpoint`) to carry "
                 "residuals over where the variables are the same (e.g. another TopK ratio)."
             )
+
+    def _check(self, manifest: dict, entries: list[Entry]) -> None:
+        """ValueError naming what differs between the checkpoint and this state."""
+        self._check_config(manifest)
+        saved = {
+            e["key"]: (e["kind"], e["shape"], e["dtype"])
+            for e in manifest["entries"]
+            if e["key"] not in OPTIONAL_KEYS
+        }
+        current = {
+            e.key: (e.kind, list(e.variable.shape), tf.as_dtype(e.variable.dtype).name)
+            for e in entries
+            if e.key not in OPTIONAL_KEYS
+        }
         if saved != current:
             saved_about = {e["key"]: e.get("about", "") for e in manifest["entries"]}
             about = {e.key: e.about for e in entries}
@@ -240,8 +273,8 @@ class ExchangeCheckpoint(trackable.Trackable):
                 "This checkpoint's exchange state does not fit this exchange (nothing was "
                 f"restored): not in the checkpoint {missing}; in the checkpoint, not here "
                 f"{extra}; different (kind, shape, dtype) {changed}. Saved configuration "
-                f"{json.dumps(saved_config, sort_keys=True)}, this exchange "
-                f"{json.dumps(config, sort_keys=True)}."
+                f"{json.dumps(manifest['config'], sort_keys=True)}, this exchange "
+                f"{json.dumps(self._config(), sort_keys=True)}."
             )
 
     def _own_rows(
@@ -280,6 +313,21 @@ class ExchangeCheckpoint(trackable.Trackable):
     def _current_step(self) -> int | None:
         step = self._step()
         return None if step is None else int(tf.convert_to_tensor(step).numpy())
+
+
+class _Manifest(tf.train.experimental.PythonState):
+    """The manifest of an :class:`ExchangeCheckpoint` as a Python state of its own: TF
+    deserializes Python states before it assigns any tensor of the checkpoint, so a restore
+    that does not fit fails before the model, the inner optimizer or the wrapper changes."""
+
+    def __init__(self, owner: ExchangeCheckpoint):
+        self._owner = owner
+
+    def serialize(self) -> str:
+        return json.dumps(self._owner.describe(self._owner._entries()), sort_keys=True)
+
+    def deserialize(self, string_value) -> None:
+        self._owner.check_manifest(json.loads(string_value))
 
 
 def _stacked(variable) -> np.ndarray:

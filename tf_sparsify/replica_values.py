@@ -21,6 +21,47 @@ import numpy as np
 import tensorflow as tf
 
 
+def is_multi_worker(strategy: tf.distribute.Strategy | None) -> bool:
+    """Whether ``strategy`` spans more than this process (replicas on other workers)."""
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return False
+    return strategy.num_replicas_in_sync > len(strategy.extended.worker_devices)
+
+
+def local_replica_ids(strategy: tf.distribute.Strategy) -> list[int]:
+    """The job-wide ids (``replica_id_in_sync_group``) of this process's replicas."""
+    ids = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(context.replica_id_in_sync_group)
+    )
+    return [int(i) for i in strategy.experimental_local_results(ids)]
+
+
+def gather_rows(strategy: tf.distribute.Strategy, rows: np.ndarray) -> np.ndarray:
+    """Every replica's row of the job, from this process's ``rows`` (one per local replica, in
+    :func:`local_replica_ids` order): an all-gather every process must join."""
+    ids = local_replica_ids(strategy)
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(rows[ids.index(context.replica_id_in_sync_group)][None])
+    )
+    return strategy.gather(per_replica, axis=0).numpy()
+
+
+def check_in_scope(variables) -> None:
+    """ValueError when ``variables`` belong to a distribution strategy whose scope is not
+    entered: per-replica state made there would be one plain variable every replica shares."""
+    current = tf.distribute.get_strategy()
+    for variable in variables:
+        value = _distributed(variable)
+        strategy = getattr(value, "distribute_strategy", None)
+        if isinstance(value, tf.distribute.DistributedValues) and strategy is not current:
+            raise ValueError(
+                f"Variable {getattr(variable, 'path', variable.name)} was created under "
+                f"{type(strategy).__name__}, but the optimizer is being built outside its "
+                "scope. Need to be inside strategy.scope(): `with strategy.scope(): "
+                "optimizer.build(model.trainable_variables)`."
+            )
+
+
 def _distributed(variable):
     """The TF variable behind a Keras variable, or ``variable`` itself."""
     if isinstance(variable, tf.distribute.DistributedValues):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from tf_sparsify import memory
+from tf_sparsify import memory, replica_values
 from tf_sparsify.checkpointing import Entry, ExchangeCheckpoint
 from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
 from tf_sparsify.compressors.base import MultiRoundExchange
@@ -75,6 +75,7 @@ class ExchangeState:
             rows=self.transport.checkpoint_rows,
             built=lambda: self.built,
             step=lambda: self.step,
+            gather=self.transport.gather_rows_when_saving,
         )
 
     @property
@@ -108,7 +109,8 @@ class ExchangeState:
     # -- state --------------------------------------------------------------------------------
     def build(self, variables: Sequence) -> None:
         """Plan the messages for ``variables`` (in the transport's layout) and make their
-        buffers and counters."""
+        buffers and counters (inside the scope of the variables' strategy)."""
+        replica_values.check_in_scope(variables)
         self.transport.build()
         variables = self.transport.layout(variables)
         shapes = [tf.TensorShape(v.shape) for v in variables]

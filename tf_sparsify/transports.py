@@ -20,6 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+import tensorflow as tf
+
+from tf_sparsify import replica_values
 from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.compressors.base import check_positive_int
 from tf_sparsify.pipeline import GradientPipeline, Unit
@@ -35,12 +39,16 @@ class Transport:
     mean_only: bool = False
     #: ``P`` workers simulated on one replica, or ``None`` (the replicas are real)
     simulated_workers: int | None = None
+    #: the strategy in whose scope the state was built (``None`` before)
+    _strategy: tf.distribute.Strategy | None = None
 
     def check(self, pipeline: GradientPipeline) -> None:
         """Raise a ValueError for an option this transport cannot honour."""
 
     def build(self) -> None:
-        """Make the per-process state (called when the exchange state is built)."""
+        """Make the per-process state (called when the exchange state is built, inside the
+        strategy's scope): here, which strategy's replicas hold the rows."""
+        self._strategy = tf.distribute.get_strategy()
 
     def layout(self, variables: Sequence) -> list:
         """What the state core plans messages and buffers for (each with ``name``, ``shape``,
@@ -63,8 +71,22 @@ class Transport:
     def checkpoint_rows(self, local: int) -> tuple[int, int]:
         """``(first, world)``: the index of this process's first row of a per-replica
         variable that has ``local`` rows here, and the number of rows in the job (what a
-        checkpoint of this process holds and restores): here, this process's replicas."""
-        return 0, local
+        checkpoint of this process holds and restores): under ``MultiWorkerMirroredStrategy``
+        this worker's replicas among every worker's, else this process's replicas."""
+        strategy = self._strategy
+        if not replica_values.is_multi_worker(strategy):
+            return 0, local
+        return min(replica_values.local_replica_ids(strategy)), strategy.num_replicas_in_sync
+
+    def gather_rows_when_saving(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """Every row of the job for a checkpoint being written, where every process joins a
+        write (``MultiWorkerMirroredStrategy``: the chief writes the checkpoint, the others a
+        copy); ``None`` where a write is one process's alone (Horovod gathers on request:
+        :func:`~tf_sparsify.horovod.gather_error_memory`)."""
+        strategy = self._strategy
+        if not replica_values.is_multi_worker(strategy):
+            return None
+        return {key: replica_values.gather_rows(strategy, value) for key, value in rows.items()}
 
 
 class SimulatedWorkersTransport(Transport):
