@@ -9,6 +9,7 @@ skip when the library is absent, and fail instead under ``TF_SPARSIFY_REQUIRE_OP
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -125,6 +126,26 @@ def test_topk_extremes_and_nan(available, dtype):
     values, _, new_residual = ops.topk_error_feedback(g, r, nans)
     assert np.isnan(tf.cast(values, tf.float64).numpy()).all(), "NaN ranks highest"
     assert not np.isnan(tf.cast(new_residual, tf.float64).numpy()).any()
+
+
+BF16_INF, BF16_NAN = 0x7F80, 0x7FC0
+SIGN16 = 0x8000
+
+
+@pytest.mark.parametrize("n", [8, 40, 4099])
+def test_topk_bfloat16_nan_bits_follow_one_rule(available, n):
+    """A bfloat16 NaN made in float32 (Inf + -Inf, a NaN operand) is 0x7FC0 with its sign on
+    every path and at every length (TensorFlow's Cast drops the sign from about 16 elements)."""
+    g, r = from_f64(RNG.standard_normal(n), tf.bfloat16), from_f64(np.zeros(n), tf.bfloat16)
+    g[1::7], r[1::7] = BF16_INF, BF16_INF | SIGN16  # Inf + -Inf: x86's negative NaN
+    g[2::7], g[3::7] = BF16_NAN | SIGN16, BF16_NAN
+    r[4::7] = (BF16_INF + 1) | SIGN16  # a signalling NaN, quieted
+    nans = sum(len(range(start, n, 7)) for start in (1, 2, 3, 4))
+    grad, residual = tensor_of(g, tf.bfloat16), tensor_of(r, tf.bfloat16)
+    for k in (nans - 1, nans + 2):
+        check_topk(grad, residual, k, f"k={k}")
+    values = bits_of(ops.topk_error_feedback(grad, residual, nans)[0])
+    assert set(values) == {BF16_NAN, BF16_NAN | SIGN16}
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
@@ -247,6 +268,25 @@ def test_qsgd_special_values(available, dtype):
         assert_bits_equal(norms, en.view(np.uint32), "norms vs numpy")
 
 
+@pytest.mark.parametrize("n", [4, 19, 300])
+def test_qsgd_dequantize_bfloat16_nan_bits_follow_one_rule(available, n):
+    """Decoding to bfloat16, the NaNs of an Inf bucket norm (0 * Inf) and of NaN norms keep
+    their signs on every path and at every length; nonzero levels saturate."""
+    q = tf.constant(np.arange(n) % 5 - 2, tf.int8)
+    norms = np.resize(np.array([np.inf, np.nan, -np.nan, 2.0], np.float32), npref.num_buckets(n, 3))
+    out = ops.qsgd_dequantize(q, tf.constant(norms), 4, 3, [n], tf.bfloat16)
+    want = npref.qsgd_dequantize(q.numpy(), norms, 4, 3, "bfloat16")
+    assert_bits_equal(out, want, "vs NumPy")
+    ref = reference.qsgd_dequantize(q, tf.constant(norms), 4, 3, [n], tf.bfloat16)
+    assert_bits_equal(out, ref, "vs reference")
+    zero_times_inf = npref.f32_to_bf16(np.float32(0) * np.float32(np.inf))
+    assert bits_of(out)[2] == zero_times_inf and bits_of(out)[0] == 0xFF7F  # -bfloat16 max
+    if n > 9:  # the NaN norms' NaNs, each with its sign
+        assert set(bits_of(out)[3:6]) == {BF16_NAN} and set(bits_of(out)[6:9]) == {
+            BF16_NAN | SIGN16
+        }
+
+
 def test_qsgd_unbiased_and_rank(available):
     x = make(RNG.standard_normal([4, 5, 6]), tf.float32)
     seeds = range(400)
@@ -304,6 +344,84 @@ def test_invalid_arguments(available):
         ops.qsgd_dequantize(q, norms[:3], 4, 3, [10], tf.float32)
     with pytest.raises(bad, match=r"shape \[11\] has 11 elements but signed_levels has 10"):
         ops.qsgd_dequantize(q, norms, 4, 3, [11], tf.float32)
+
+
+def test_qsgd_seed_integer_dtypes_agree(available):
+    x = make(RNG.standard_normal(50), tf.float32)
+    want, _ = ops.qsgd_quantize(x, 4, 0, tf.constant(7, tf.int64))
+    for seed in (7, np.int32(7), tf.constant(7), tf.constant(7, tf.uint8)):
+        np.testing.assert_array_equal(ops.qsgd_quantize(x, 4, 0, seed)[0].numpy(), want.numpy())
+
+
+@pytest.mark.parametrize(
+    "seed", [tf.constant(1.5), 1.5, np.float64(2.0), True, tf.constant(True), "1"]
+)
+def test_qsgd_seed_must_be_an_integer(available, seed):
+    """A float seed is refused, not truncated (1.5 would quantize as seed 1)."""
+    message = rf"seed must be an integer scalar, got seed = {re.escape(repr(seed))} \(dtype"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        ops.qsgd_quantize(tf.zeros([10]), 4, 0, seed)
+
+
+@pytest.mark.parametrize("num_elements", [2**64, 2**63, -1, 1.5, None])
+def test_index_code_num_elements_bounds(available, num_elements):
+    message = rf"num_elements must be an int in \[0, 2\*\*63\), got {re.escape(repr(num_elements))}"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        ops.encode_indices(tf.constant([1, 5]), num_elements)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        ops.decode_indices(tf.zeros([1], tf.uint8), num_elements, 2)
+
+
+PACKED_SHAPES, PACKED_KS = [(4, 5), (6,)], [3, 2]
+
+
+@pytest.mark.parametrize(
+    "values, shapes, ks, message",
+    [
+        (
+            tf.zeros([2, 5]),
+            PACKED_SHAPES[:1],
+            PACKED_KS,
+            r"ks must have one k per shape \(len\(shapes\) = 1\), got len\(ks\) = 2: "
+            r"ks = \[3, 2\]",
+        ),
+        (
+            tf.zeros([2, 5]),
+            [(4, None), (6,)],
+            PACKED_KS,
+            r"shapes\[0\] must be fully defined, got \(4, None\)",
+        ),
+        (
+            tf.zeros([2, 5], tf.int32),
+            PACKED_SHAPES,
+            PACKED_KS,
+            "values must be float16, bfloat16, float32 or float64, got int32",
+        ),
+        (
+            tf.zeros([2, 10]),
+            PACKED_SHAPES,
+            [3, 7],
+            r"ks\[1\] must be an int in \[0, 6\] \(shapes\[1\] = \(6,\)\), got 7",
+        ),
+        (
+            tf.zeros([2, 5]),
+            PACKED_SHAPES,
+            [3, 2.0],
+            r"ks\[1\] must be an int in \[0, 6\] \(shapes\[1\] = \(6,\)\), got 2\.0",
+        ),
+        (
+            tf.zeros([2, 4]),
+            PACKED_SHAPES,
+            PACKED_KS,
+            r"values must be \[replicas, sum\(ks\) = 5\], got \(2, 4\)",
+        ),
+    ],
+    ids=["ks per shape", "None in a shape", "int32 values", "k above n", "float k", "columns"],
+)
+def test_packed_decompress_sum_bad_arguments(available, values, shapes, ks, message):
+    code = tf.zeros([2, 4], tf.uint8)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        ops.packed_decompress_sum(values, code, shapes, ks, 0.5)
 
 
 def test_kernel_validation(compiled):

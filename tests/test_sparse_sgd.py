@@ -108,7 +108,11 @@ def test_a_read_before_the_update_keeps_its_value(compiled):
     "change, message",
     [
         (lambda v, i: (v, np.where(i == i[1, 2], 42, i)), r"indices\[1, 2\] = 42 is out of range"),
-        (lambda v, i: (v, i[:, ::-1]), "strictly ascending"),
+        (
+            lambda v, i: (v, i[:, ::-1]),
+            r"SparseSgdApply: each row of indices must be strictly ascending, got "
+            r"indices\[0, 1\] = \d+ after \d+",
+        ),
         (lambda v, i: (v.astype("float64"), i), "values must have the variable's dtype float32"),
         (lambda v, i: (v, i.astype("float32")), "indices must be int32 or int64"),
         (lambda v, i: (v[:, :4], i), r"values and indices must be \[rows, k\] of one shape"),
@@ -190,7 +194,8 @@ def replaced(indices: np.ndarray, at: tuple[int, int], value: int) -> np.ndarray
         (
             lambda v, i, ks: (v, np.concatenate([i[:, :11], i[:, 11:][:, ::-1]], 1), ks),
             BAD,
-            r"indices of vars\[3\] must be strictly ascending",
+            r"SparseSgdApplyPacked: each row of indices of vars\[3\] must be strictly "
+            r"ascending, got indices of vars\[3\]\[0, 1\] = \d+ after \d+",
         ),
         (lambda v, i, ks: (v, i, ks[:3]), BAD, r"ks must be 4 counts >= 0"),
         (lambda v, i, ks: (v, i, [9, 2, -1, 5]), BAD, r"ks must be 4 counts >= 0"),

@@ -5,6 +5,7 @@ message in other units or under another name, or an option silently ignored."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -248,6 +249,39 @@ def test_layers_file_errors_name_layers(content, expected, tmp_path, capsys):
     argv = ["--compute-ms", "1", "--layers", str(path), "--workers", "8"]
     err = cli_error(argv, capsys)
     assert f"--layers {str(path)!r}" in err and expected in err
+
+
+def test_layers_help_asks_for_a_file():
+    help_text = " ".join(cli.build_parser().format_help().split())
+    assert "--layers FILE.json JSON file holding a list of tensor shapes or sizes" in help_text
+
+
+# -- the tables -----------------------------------------------------------------------------------
+def cell_ends(line: str) -> list[int]:
+    """Where each cell of a table line ends (cells hold single spaces, columns two or more)."""
+    return [m.end() for m in re.finditer(r"\S+(?: \S+)*", line)]
+
+
+def test_table_columns_stay_apart_at_one_bit_per_second(capsys):
+    """13-digit ms still sit under their headers, right-aligned, with spaces between."""
+    assert cli.main([*BASE, "--workers", "8", "--bandwidth", "1bit"]) == 0
+    _, head, rule, *rows, winner = capsys.readouterr().out.splitlines()
+    assert len(rule) == len(head) and winner.startswith("winner: ")
+    for row in rows:
+        cells = row.split()
+        assert len(cells) == 5 and float(cells[2]) > 1e9, row  # comm ms
+        assert cell_ends(row)[1:] == cell_ends(head)[1:], row
+
+
+def test_sweep_table_columns_stay_apart_at_one_bit_per_second(tmp_path, capsys):
+    argv = [*BASE, "--sweep", "--sweep-bandwidths", "1bit,10gbit", "--plot"]
+    assert cli.main([*argv, str(tmp_path / "sweep.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("P "))
+    head, rows = lines[at], lines[at + 1 : -1]
+    assert len(rows) == 10  # P = 2, 4, ..., 1024
+    for row in rows:
+        assert len(row.split()) == 7 and cell_ends(row) == cell_ends(head), row
 
 
 def test_parse_functions_raise_value_errors():

@@ -5,8 +5,9 @@
         --bandwidth 25gbit --latency 20us --overhead-ms topk=8,topk-sar=10
     python -m tf_sparsify whatif --compute-ms 120 --layers shapes.json --sweep --plot sweep.png
 
-``--layers`` takes a JSON list of tensor shapes (``[[784, 2048], [2048], ...]``) or sizes
-(``[1605632, 2048]``, each a vector). The model is in :mod:`tf_sparsify.whatif`.
+``--layers`` takes the path of a JSON file holding a list of tensor shapes (``[[784, 2048],
+[2048], ...]``) or sizes (``[1605632, 2048]``, each a vector). The model is in
+:mod:`tf_sparsify.whatif`.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def integer(minimum: int = 1, maximum: int | None = None, note: str = ""):
 
 
 def load_layers(path: str) -> w.Layers:
-    """Shapes from a JSON list of shapes or sizes."""
+    """Shapes from the JSON file at ``path``: a list of shapes or sizes."""
     with open(path) as f:
         items = json.load(f)
     if not isinstance(items, list):
@@ -226,7 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument(
         "--params", type=parse_count, help="parameters (e.g. 25M): one near-square matrix"
     )
-    size.add_argument("--layers", help="JSON list of tensor shapes or sizes")
+    size.add_argument(
+        "--layers",
+        metavar="FILE.json",
+        help="JSON file holding a list of tensor shapes or sizes, e.g. [[784, 2048], [2048]]",
+    )
     size.add_argument("--model", choices=MODELS, help="a known model's shapes")
     one_per_node = " (P: one worker per node, so the number of nodes)"
     p.add_argument(
@@ -430,15 +435,37 @@ def table(predictions: Sequence[w.Prediction]) -> str:
     """A row per method: bytes one worker (a node's link, for hier-*) sends across nodes per
     step, comm and step ms, and the speed-up over dense."""
     dense = next((p.step for p in predictions if p.method == "dense"), None)
-    head = f"{'method':<16}{'inter-node bytes':>19}{'comm ms':>11}{'step ms':>11}{'x dense':>9}"
-    lines = [head, "-" * len(head)]
+    rows = [("method", "inter-node bytes", "comm ms", "step ms", "x dense")]
     for p in predictions:
-        speedup = f"{dense / p.step:9.2f}" if dense and p.step else f"{'-':>9}"
-        ms = f"{1e3 * p.comm:>11.1f}{1e3 * p.step:>11.1f}"
-        lines.append(f"{p.method:<16}{p.bytes_sent:>19,.0f}{ms}{speedup}")
+        speedup = f"{dense / p.step:.2f}" if dense and p.step else "-"
+        rows.append(
+            (
+                p.method,
+                f"{p.bytes_sent:,.0f}",
+                f"{1e3 * p.comm:.1f}",
+                f"{1e3 * p.step:.1f}",
+                speedup,
+            )
+        )
+    head, *body = columns(rows, (16, 19, 11, 11, 9), left=1)
     best = w.winner(predictions)
+    lines = [head, "-" * len(head), *body]
     lines.append(f"winner: {best.method} ({1e3 * best.step:.1f} ms/step)")
     return "\n".join(lines)
+
+
+def columns(rows: Sequence[Sequence[str]], widths: Sequence[int], left: int = 0) -> list[str]:
+    """``rows`` of cells as lines, the first ``left`` columns left-aligned, the others
+    right-aligned; a column is ``widths``' width, or wider where a cell needs it, so that two
+    cells are always at least two spaces apart."""
+    fit = [max(width, 2 + max(len(row[i]) for row in rows)) for i, width in enumerate(widths)]
+    return [
+        "".join(
+            cell.ljust(width) if i < left else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, fit, strict=True))
+        )
+        for row in rows
+    ]
 
 
 def run_once(args: argparse.Namespace, methods: list[w.Method], layers: w.Layers) -> None:
@@ -483,16 +510,16 @@ def run_sweep(args: argparse.Namespace, methods: list[w.Method], layers: w.Layer
 def sweep_table(names: Sequence[str], bandwidths: Sequence[float], results: dict) -> str:
     """At powers of two, a column per bandwidth: the winner, its ms/step and dense's."""
     powers = [p for p in results[bandwidths[0]] if p & (p - 1) == 0]
-    lines = [f"{'P':>6}" + "".join(f"{n + ': winner ms (dense ms)':>34}" for n in names)]
+    rows = [["P", *(f"{n}: winner ms (dense ms)" for n in names)]]
     for p in powers:
-        cells = []
+        cells = [str(p)]
         for bandwidth in bandwidths:
             predictions = results[bandwidth][p]
             best = w.winner(predictions)
             dense = next((x.step for x in predictions if x.method == "dense"), math.nan)
             cells.append(f"{best.method} {1e3 * best.step:.0f} ({1e3 * dense:.0f})")
-        lines.append(f"{p:>6}" + "".join(f"{c:>34}" for c in cells))
-    return "\n".join(lines)
+        rows.append(cells)
+    return "\n".join(columns(rows, (6, *(34 for _ in names))))
 
 
 def plot_sweep(names: Sequence[str], bandwidths: Sequence[float], results: dict, path: str) -> None:

@@ -22,6 +22,10 @@ Numerics shared by every path (CPU kernel, CUDA core, pure-TF reference on CPU, 
   +-float32 max, bucket norms above float32 max are sent as float32 max (levels are capped at
   ``levels``), and decoded values are clamped to the output dtype's largest finite magnitude.
   Finite inputs thus never give Inf or NaN; Inf and NaN inputs keep their documented effect.
+* bfloat16 results computed in float32 (TopK's ``grad + residual``, QSGD's decoded values) are
+  rounded to nearest even, and a NaN becomes the quiet NaN with its sign: 0x7FC0 or 0xFFC0
+  (x86 makes Inf + -Inf and 0 * Inf negative NaNs), where ``tf.cast`` gives 0x7FC0 or 0xFFC0
+  depending on the tensor's length. On a GPU, QSGD's NaNs carry the GPU's own bits.
 """
 
 from __future__ import annotations
@@ -374,7 +378,12 @@ def packed_decompress_sum(
     each segment, :func:`scatter_sum` of its rows and multiplying by ``scale``."""
     values = tf.convert_to_tensor(values)
     code = tf.convert_to_tensor(code)
-    shapes = [tf.TensorShape(s) for s in shapes]
+    _check_float("values", values.dtype)
+    shapes, ks = _check_shapes_and_ks(shapes, ks)
+    if values.shape.rank is not None and (
+        values.shape.rank != 2 or values.shape[1] not in (None, sum(ks))
+    ):
+        raise _invalid(f"values must be [replicas, sum(ks) = {sum(ks)}], got {values.shape}")
     ns = [s.num_elements() for s in shapes]
     scale_t = tf.constant(scale, values.dtype)
     compiled = _compiled()
@@ -401,6 +410,28 @@ def packed_decompress_sum(
     )
 
 
+def _check_shapes_and_ks(
+    shapes: Sequence[Any], ks: Sequence[Any]
+) -> tuple[list[tf.TensorShape], list[int]]:
+    """``shapes`` as fully defined TensorShapes and ``ks`` as ints, one per shape, each in
+    ``[0, elements of its shape]``."""
+    if len(ks) != len(shapes):
+        raise _invalid(
+            f"ks must have one k per shape (len(shapes) = {len(shapes)}), got len(ks) = "
+            f"{len(ks)}: ks = {ks}"
+        )
+    shapes = [tf.TensorShape(s) for s in shapes]
+    checked = []
+    for i, (shape, k) in enumerate(zip(shapes, ks, strict=True)):
+        if not shape.is_fully_defined():
+            raise _invalid(f"shapes[{i}] must be fully defined, got {shape}")
+        n, k_int = shape.num_elements(), _static_int(k)
+        if k_int is None or not 0 <= k_int <= n:
+            raise _invalid(f"ks[{i}] must be an int in [0, {n}] (shapes[{i}] = {shape}), got {k!r}")
+        checked.append(k_int)
+    return shapes, checked
+
+
 def _check_qsgd_attrs(levels: Any, bucket_size: Any) -> tuple[int, int]:
     lv, bs = _static_int(levels), _static_int(bucket_size)
     if lv is None or not 1 <= lv <= MAX_LEVELS:
@@ -410,6 +441,19 @@ def _check_qsgd_attrs(levels: Any, bucket_size: Any) -> tuple[int, int]:
             f"bucket_size must be an int in [0, 2**63) (0 = one bucket), got {bucket_size!r}"
         )
     return lv, bs
+
+
+def _check_seed(seed: Any) -> tf.Tensor:
+    """``seed``, an integer scalar (a Python int or an integer tensor), as int64; a float
+    (which a cast would truncate) or a bool is refused."""
+    tensor = tf.convert_to_tensor(seed)
+    if not tensor.dtype.is_integer:
+        raise _invalid(
+            f"seed must be an integer scalar, got seed = {seed!r} (dtype {tensor.dtype.name})"
+        )
+    if tensor.shape.rank not in (None, 0):
+        raise _invalid(f"seed must be a scalar, got shape {tensor.shape}")
+    return tf.cast(tensor, tf.int64)
 
 
 def qsgd_quantize(
@@ -425,9 +469,7 @@ def qsgd_quantize(
     tensor = tf.convert_to_tensor(tensor)
     _check_float("tensor", tensor.dtype)
     levels, bucket_size = _check_qsgd_attrs(levels, bucket_size)
-    seed = tf.cast(seed, tf.int64)
-    if seed.shape.rank not in (None, 0):
-        raise _invalid(f"seed must be a scalar, got shape {seed.shape}")
+    seed = _check_seed(seed)
     ops = _compiled()
     if ops is None:
         return pure_tf.qsgd_quantize(tensor, levels, bucket_size, seed)
@@ -538,6 +580,14 @@ def scatter_sum(values: tf.Tensor, indices: tf.Tensor, n: int | tf.Tensor) -> tf
     return ops.scatter_sum(values, indices, n)
 
 
+def _check_num_elements(num_elements: Any) -> int:
+    """``num_elements`` as a Python int in ``[0, 2**63)`` (an int64 attribute)."""
+    n = _static_int(num_elements)
+    if n is None or not 0 <= n < 2**63:
+        raise _invalid(f"num_elements must be an int in [0, 2**63), got {num_elements!r}")
+    return n
+
+
 def encode_indices(indices: tf.Tensor, num_elements: int) -> tf.Tensor:
     """The Elias-Fano code of strictly ascending flat ``indices`` (int32/int64, static length
     k) in ``[0, num_elements)``: uint8 of :func:`~tf_sparsify.ops.index_code.index_code_bytes`
@@ -550,9 +600,7 @@ def encode_indices(indices: tf.Tensor, num_elements: int) -> tf.Tensor:
         raise _invalid(f"indices must be int32 or int64, got {indices.dtype.name}")
     if indices.shape.rank != 1 or indices.shape[0] is None:
         raise _invalid(f"indices must be a vector of static length, got shape {indices.shape}")
-    n = _static_int(num_elements)
-    if n is None or n < 0:
-        raise _invalid(f"num_elements must be an int >= 0, got {num_elements!r}")
+    n = _check_num_elements(num_elements)
     ops = _compiled()
     if ops is None:
         return index_code.reference_encode(indices, n)
@@ -572,8 +620,8 @@ def decode_indices(
     naming the row, in the kernel and in the pure-TF reference (except under XLA, where no op
     can fail)."""
     code = tf.convert_to_tensor(code)
-    n, k_int = _static_int(num_elements), _static_int(k)
-    if n is None or k_int is None or not 0 <= k_int <= n:
+    n, k_int = _check_num_elements(num_elements), _static_int(k)
+    if k_int is None or not 0 <= k_int <= n:
         raise _invalid(f"need ints 0 <= k <= num_elements, got k={k!r}, {num_elements=!r}")
     size = index_code.index_code_bytes(n, k_int)
     if code.dtype != tf.uint8 or code.shape.rank in (None, 0) or code.shape[-1] != size:

@@ -28,6 +28,9 @@ These define the semantics the compiled kernels must reproduce bit for bit:
   order, rounded once to the dtype (Inf beyond its range, NaN as one quiet NaN); one row as it
   is.
 
+bfloat16 results computed in float32 are rounded to nearest even, a NaN to 0x7FC0 with its sign
+(:func:`from_float32`; ``tf.cast`` drops the sign of long tensors' NaNs).
+
 Denormals (see :mod:`tf_sparsify.ops`): float32/float64 arithmetic reads denormals as zero and
 flushes denormal results. TensorFlow's CPU kernels do that in hardware; the flushes written out
 here make the reference follow the same policy on devices that keep denormals.
@@ -80,13 +83,24 @@ def flush(x: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.abs(x) < tiny, x * 0, x)
 
 
+def from_float32(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """float32 ``x`` rounded to ``dtype`` (nearest even); in bfloat16 a NaN is 0x7FC0 with
+    ``x``'s sign bit, as the kernels (Eigen's scalar conversion) and the NumPy model give it,
+    where TensorFlow's Cast gives 0x7FC0 for every NaN of a long enough tensor."""
+    if dtype != tf.bfloat16:
+        return tf.cast(x, dtype)
+    negative = tf.bitcast(x, tf.int32) < 0
+    quiet = tf.where(negative, tf.constant(0xFFC0, tf.uint16), tf.constant(0x7FC0, tf.uint16))
+    return tf.where(tf.math.is_nan(x), tf.bitcast(quiet, tf.bfloat16), tf.cast(x, tf.bfloat16))
+
+
 def add(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     """``a + b`` under the denormal policy (16-bit types add in float32, then round)."""
     if a.dtype == tf.float16:
         return a + b
     if a.dtype == tf.bfloat16:
         s = flush(flush(tf.cast(a, tf.float32)) + flush(tf.cast(b, tf.float32)))
-        return tf.cast(s, tf.bfloat16)
+        return from_float32(s, tf.bfloat16)
     return flush(flush(a) + flush(b))
 
 
@@ -315,7 +329,7 @@ def qsgd_dequantize(
     scaled = _bucketed(q, effective_bucket(n, bucket_size)) * scale[:, None]
     top = OUTPUT_MAX[tf.as_dtype(dtype)]
     clamped = tf.where(scaled > top, top, tf.where(scaled < -top, -top, scaled))
-    return tf.cast(tf.reshape(tf.reshape(clamped, [-1])[:n], shape), dtype)
+    return from_float32(tf.reshape(tf.reshape(clamped, [-1])[:n], shape), dtype)
 
 
 def sparse_sgd_apply(

@@ -33,23 +33,24 @@ namespace {
 constexpr int64_t kMinEntries = 4096;  // entries per thread, at least
 
 // InvalidArgument naming the first index outside [0, n) or out of ascending order in its row
-// (rows of k entries, `stride` apart; `what` names the indices in the message).
+// (rows of k entries, `stride` apart; the message starts with `op` and names the indices
+// `what`).
 template <typename Index>
 absl::Status CheckRows(const Index* indices, int64_t rows, int64_t k, int64_t stride, int64_t n,
-                       const std::string& what) {
+                       const char* op, const std::string& what) {
   for (int64_t r = 0; r < rows; ++r) {
     const Index* row = indices + r * stride;
     for (int64_t j = 0; j < k; ++j) {
       const int64_t x = static_cast<int64_t>(row[j]);
       if (x < 0 || x >= n) {
         return absl::InvalidArgumentError(
-            absl::StrCat(what, "[", r, ", ", j, "] = ", x, " is out of range [0, ", n,
+            absl::StrCat(op, ": ", what, "[", r, ", ", j, "] = ", x, " is out of range [0, ", n,
                          ") (the number of elements of its var)"));
       }
       if (j > 0 && x <= static_cast<int64_t>(row[j - 1])) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "each row of ", what, " must be strictly ascending, got ", what, "[", r, ", ", j,
-            "] = ", x, " after ", static_cast<int64_t>(row[j - 1])));
+            op, ": each row of ", what, " must be strictly ascending, got ", what, "[", r, ", ",
+            j, "] = ", x, " after ", static_cast<int64_t>(row[j - 1])));
       }
     }
   }
@@ -127,7 +128,7 @@ class SparseSgdApplyCpuOp : public OpKernel {
     const int64_t rows = values.dim_size(0), k = values.dim_size(1);
     const Index* idx = indices.flat<Index>().data();
     OP_REQUIRES_OK(ctx,
-                   CheckRows(idx, rows, k, k, current.NumElements(), "SparseSgdApply: indices"));
+                   CheckRows(idx, rows, k, k, current.NumElements(), "SparseSgdApply", "indices"));
     OP_REQUIRES_OK(ctx, PrepareToUpdate(ctx, var.get()));
     T* data = var->tensor()->flat<T>().data();
     const T s = scale.scalar<T>()();
@@ -200,8 +201,8 @@ class SparseSgdApplyPackedCpuOp : public OpKernel {
                       DataTypeString(current.dtype()), ", values have dtype ",
                       DataTypeString(DataTypeToEnum<T>::v()))));
       OP_REQUIRES_OK(ctx, CheckRows(idx + first[i], rows, ks_[i], total, current.NumElements(),
-                                    absl::StrCat("SparseSgdApplyPacked: indices of vars[", i,
-                                                 "]")));
+                                    "SparseSgdApplyPacked",
+                                    absl::StrCat("indices of vars[", i, "]")));
     }
     const T s = scale.scalar<T>()();
     const T lr = learning_rate.scalar<T>()();
