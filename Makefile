@@ -23,8 +23,9 @@ setup: ops
 wheel: ops
 	$(PY) scripts/build_wheel.py
 
+# Horovod 0.28.1 built for this TensorFlow, through the installer the package ships.
 horovod: setup
-	bash scripts/install_horovod.sh $(VENV)
+	$(PY) -m tf_sparsify install-horovod
 
 # iproute2 (ip, tc) for the bandwidth benchmark's rate limits; a message where it cannot.
 sysdeps:

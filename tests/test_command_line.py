@@ -1,11 +1,18 @@
-"""``python -m tf_sparsify``: ``--help`` lists every command with one line, ``--version``."""
+"""``python -m tf_sparsify``: ``--help`` lists every command with one line, ``--version``;
+``install-horovod`` runs the installer the package ships."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import tf_sparsify
-from tf_sparsify.__main__ import COMMANDS, main
+from tests.conftest import ROOT
+from tf_sparsify.__main__ import COMMANDS, HOROVOD_INSTALLER, main
 
 
 def test_help_lists_every_command_with_its_line(capsys):
@@ -34,3 +41,38 @@ def test_an_unknown_command_is_an_argparse_error(capsys):
         main(["what"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'what'" in capsys.readouterr().err
+
+
+def test_install_horovod_runs_the_installer_in_the_package_that_make_and_scripts_use():
+    """One script: the package's file, which a checkout's ``scripts/install_horovod.sh`` links
+    to and ``make horovod`` reaches through the entry point."""
+    assert HOROVOD_INSTALLER == Path(tf_sparsify.__file__).resolve().parent / "install_horovod.sh"
+    assert HOROVOD_INSTALLER.is_file()
+    assert (Path(ROOT) / "scripts" / "install_horovod.sh").resolve() == HOROVOD_INSTALLER
+    makefile = (Path(ROOT) / "Makefile").read_text()
+    assert "horovod: setup\n\t$(PY) -m tf_sparsify install-horovod\n" in makefile
+
+
+def test_install_horovod_dry_run_says_what_it_would_do_for_this_environment():
+    """``--dry-run`` goes through the installer's checks (with ``HOROVOD_REINSTALL=1``, past an
+    installed Horovod) and stops before downloading or building anything."""
+    env = {**os.environ, "HOROVOD_REINSTALL": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_sparsify", "install-horovod", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = proc.stderr.splitlines()[-1]
+    assert plan.startswith(f"[install_horovod] dry run ({HOROVOD_INSTALLER}): would "), plan
+    assert plan.endswith(f"install it with {sys.executable} into {sys.prefix}"), plan
+
+
+def test_install_horovod_help_names_what_the_build_needs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["install-horovod", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Horovod 0.28.1" in out and "cmake and a C++ compiler" in out and "--dry-run" in out

@@ -82,11 +82,14 @@ def test_pip_install_from_checkout_builds_and_loads_kernels(tmp_path):
 
 
 KERNEL_SOURCES = ("cc/ops/ops.cc", "cc/kernels/topk_error_feedback_cpu.cc", "cuda/topk.cu")
+HOROVOD_INSTALLER = "tf_sparsify/install_horovod.sh"
 
 
-def test_sdist_and_wheel_carry_the_kernel_sources(tmp_path):
+def test_sdist_and_wheel_carry_the_kernel_sources_and_the_horovod_installer(tmp_path):
     """The checkout keeps its kernels in custom_ops/; the sdist carries that tree (it builds
-    from source) and the wheel carries it as tf_sparsify/ops/src/, where the build finds it."""
+    from source) and the wheel carries it as tf_sparsify/ops/src/, where the build finds it.
+    Both carry the Horovod installer as the checkout has it."""
+    installer = (ROOT / HOROVOD_INSTALLER).read_bytes()
     checkout = tmp_path / "checkout"
     _copy_checkout(checkout)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TF_SPARSIFY"))}
@@ -94,7 +97,8 @@ def test_sdist_and_wheel_carry_the_kernel_sources(tmp_path):
     (sdist,) = (tmp_path / "dist").glob("tf_sparsify-*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = archive.getnames()
-    top = names[0].split("/")[0]
+        top = names[0].split("/")[0]
+        assert archive.extractfile(f"{top}/{HOROVOD_INSTALLER}").read() == installer
     for source in KERNEL_SOURCES:
         assert f"{top}/custom_ops/{source}" in names
     run_ok(
@@ -116,6 +120,7 @@ def test_sdist_and_wheel_carry_the_kernel_sources(tmp_path):
     (wheel,) = (tmp_path / "wheels").glob("tf_sparsify-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
+        assert archive.read(HOROVOD_INSTALLER) == installer
     for source in KERNEL_SOURCES:
         assert f"tf_sparsify/ops/src/{source}" in names
     assert not any(name.startswith("custom_ops/") for name in names)

@@ -383,6 +383,25 @@ def test_accuracy_report_table_and_plot(tmp_path):
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("model", ["digits", "transformer"])
+def test_the_accuracy_plot_title_fits_in_the_figure(model):
+    """The title as the accuracy mode writes it (the transformer's is 96 characters) lies
+    inside the figure, every word kept; a short one stays on one line."""
+    import matplotlib.pyplot as plt
+
+    task = TASKS[model]
+    title = f"{task.title}, 2 Horovod ranks, 1gbit"
+    records = _epochs({"identity": [10.4, 6.0, 4.2]}, {"identity": 3.0})
+    fig = report.accuracy_figure(records, task, task.target, title)
+    fig.canvas.draw()
+    shown = fig.axes[0].title
+    extent, frame = shown.get_window_extent(), fig.bbox
+    assert frame.x0 <= extent.x0 and extent.x1 <= frame.x1 and extent.y1 <= frame.y1, extent
+    assert " ".join(shown.get_text().split()) == title
+    assert ("\n" in shown.get_text()) == (model == "transformer")
+    plt.close(fig)
+
+
 def test_a_loss_target_is_reached_from_above():
     records = _epochs(
         {"identity": [10.4, 6.0, 4.2], "fp16": [10.4, 7.0, 5.5]}, {"identity": 3.0, "fp16": 2.0}

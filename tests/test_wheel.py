@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tarfile
@@ -104,6 +105,17 @@ def test_wheel_installs_into_a_fresh_venv_and_loads_its_kernels_without_a_compil
     assert f"origin: packaged in the tf_sparsify {version} wheel for TensorFlow" in report
     assert "TopKErrorFeedback: CPU" in report
     assert not (lib_dir / "build").exists()  # nothing was compiled there
+
+    installer = site / "tf_sparsify" / "install_horovod.sh"  # the wheel's, as the checkout's
+    assert installer.read_bytes() == (ROOT / "tf_sparsify" / "install_horovod.sh").read_bytes()
+    dry_run = [python, "-m", "tf_sparsify", "install-horovod", "--dry-run"]
+    proc = subprocess.run(
+        dry_run, cwd=work, env={**env, "HOROVOD_REINSTALL": "1"}, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = proc.stderr.splitlines()[-1]  # this venv's interpreter, never the checkout's
+    assert plan.startswith(f"[install_horovod] dry run ({installer}): would "), plan
+    assert plan.endswith(f"install it with {python} into {venv}"), plan
 
     other = tmp_path / "built_for_another_tensorflow"
     shutil.copytree(lib_dir, other)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from benchmarks.network.models import COMPRESSORS
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
     from benchmarks.network.tasks import Task
 
 DENSE, FP16 = "identity", "fp16"
@@ -188,24 +192,43 @@ def accuracy_markdown(records: list[dict], task: Task, target: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_accuracy(records: list[dict], task: Task, target: float, title: str, path: str) -> None:
-    """``task``'s score against training wall-clock seconds, one line per compressor (PNG)."""
+def _fit_title(ax: Axes, title: str) -> None:
+    """Sets ``title`` on ``ax``, broken at spaces into as few lines as keep it within the
+    width of the axes, once laid out (so within the figure)."""
+    fig = ax.get_figure()
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    for width in range(len(title), 0, -1):
+        text = ax.set_title(textwrap.fill(title, width, break_long_words=False))
+        if text.get_window_extent(renderer).width <= ax.bbox.width:
+            return
+
+
+def accuracy_figure(records: list[dict], task: Task, target: float, title: str) -> Figure:
+    """``task``'s score against training wall-clock seconds, one line per compressor."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for name, points in curves(records).items():
         seconds = [p["seconds"] for p in points]
         ax.plot(seconds, [p["score"] for p in points], marker="o", ms=3, label=_label(name))
     ax.axhline(target, color="gray", ls="--", lw=1)
     ax.set_xlabel("wall-clock seconds of training (rank 0)")
     ax.set_ylabel(task.metric)
-    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    _fit_title(ax, title)
+    return fig
+
+
+def plot_accuracy(records: list[dict], task: Task, target: float, title: str, path: str) -> None:
+    """:func:`accuracy_figure` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = accuracy_figure(records, task, target, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
