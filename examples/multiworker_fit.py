@@ -9,8 +9,9 @@ script on each with its own ``TF_CONFIG`` and ``--worker``. Every worker runs th
 Keras user writes for one machine, inside ``MultiWorkerMirroredStrategy.scope()``:
 ``compile`` with a :class:`tf_sparsify.SparsifiedOptimizer`, ``fit`` on a ``tf.data.Dataset``
 of global batches (sharded over the workers), with ``keras.callbacks.BackupAndRestore`` (kill a
-worker, start them all again: training resumes from the last epoch, each worker with its own
-residuals), then ``evaluate``. Data: scikit-learn's bundled breast-cancer set, standardized.
+worker, start them all again: training resumes from the newest epoch every worker backed up,
+each worker with its own residuals), then ``evaluate``. Data: scikit-learn's bundled
+breast-cancer set, standardized.
 The launcher checks that the workers end with identical weights and prints their history.
 """
 

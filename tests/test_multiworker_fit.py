@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.conftest import ROOT, run_python
 from tf_sparsify.distribute import run_local_workers
@@ -130,12 +133,27 @@ def test_plain_keras_needs_the_opt_in(tmp_path):
         np.testing.assert_array_equal(w0, w1)
 
 
-def test_backup_and_restore_after_a_worker_is_killed(tmp_path):
-    straight, resumed, backup = tmp_path / "straight", tmp_path / "resumed", tmp_path / "bk"
-    straight.mkdir(), resumed.mkdir()
-    launch(straight, "--configs=topk", "--epochs=4")
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """Four epochs of TopK on two workers, never stopped."""
+    out = tmp_path_factory.mktemp("straight")
+    launch(out, "--configs=topk", "--epochs=4")
+    return out
+
+
+@pytest.mark.parametrize(
+    "kill, epochs_again",
+    [("--kill-at=2:3", 2), ("--kill-before-backup=1", 3), ("--kill-in-backup=1", 3)],
+    ids=["mid_epoch", "before_its_backup", "inside_its_backup"],
+)
+def test_backup_and_restore_after_a_worker_is_killed(tmp_path, straight_run, kill, epochs_again):
+    """Worker 1 dies mid-epoch, or at an epoch's end after worker 0 wrote its backup (before
+    its own, or with its weights file written and no metadata): both resume from the newest
+    backup both completed and end equal to the run that never stopped."""
+    resumed, backup = tmp_path / "resumed", tmp_path / "bk"
+    resumed.mkdir()
     with pytest.raises(RuntimeError, match=r"exit -9"):
-        launch(resumed, "--configs=topk", "--epochs=4", f"--backup={backup}", "--kill-at=2:3")
+        launch(resumed, "--configs=topk", "--epochs=4", f"--backup={backup}", kill)
     saved = sorted(p.name for p in (backup / "topk").iterdir())
     assert saved == ["worker_0", "worker_1"]
     outputs = launch(resumed, "--configs=topk", "--epochs=4", f"--backup={backup}")
@@ -143,13 +161,83 @@ def test_backup_and_restore_after_a_worker_is_killed(tmp_path):
     for worker in (0, 1):
         (got, history), (want, _) = (
             result(resumed, "topk", worker),
-            result(straight, "topk", worker),
+            result(straight_run, "topk", worker),
         )
-        assert len(history["loss"]) == 2  # epochs 2 and 3 ran again, from the backup
+        assert len(history["loss"]) == epochs_again
         for key in want:
             if key.startswith(("w", "o")):
                 np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7, err_msg=key)
     assert not (backup / "topk").exists()  # every worker's backup removed once training ends
+
+
+def _job_total(arrays: list[np.ndarray]) -> np.ndarray:
+    """The sum over every row of a job of the first kernel's residual (shape 20 x 16)."""
+    return sum(a.reshape(-1, 20, 16).sum(0) for a in arrays)
+
+
+def _residual_key(arrays: dict, prefix: str) -> str:
+    """The key of the first kernel's residual among the optimizer's values saved with ``prefix``."""
+    return f"{prefix}{arrays['residual_indexes'][0]}"
+
+
+@pytest.mark.parametrize(
+    "before, after, strategy",
+    [(2, 1, "mwms"), (2, 1, "none"), (1, 2, "mwms"), (2, 3, "mwms")],
+    ids=["2_to_1", "2_to_no_strategy", "1_to_2", "2_to_3"],
+)
+def test_a_relaunch_with_another_worker_count_resumes_and_conserves(
+    tmp_path, before, after, strategy
+):
+    """The job resumes at the saved epoch (not from epoch 0), each worker with an even share
+    of every residual total of the saved job, and each says so once."""
+    first, resumed, backup = tmp_path / "first", tmp_path / "resumed", tmp_path / "bk"
+    first.mkdir(), resumed.mkdir()
+    args = ("--configs=topk", "--epochs=4", f"--backup={backup}")
+    with pytest.raises(RuntimeError, match=r"exit -9"):
+        launch(first, *args, "--kill-at=2:3", f"--kill-worker={before - 1}", workers=before)
+    kept = tmp_path / "kept"
+    shutil.copytree(backup, kept)
+    outputs = launch(resumed, *args, f"--strategy={strategy}", workers=after)
+    for output in outputs:
+        assert output.count("each error-memory total is conserved") == 1, output[-3000:]
+    newest = max(p.name for p in (kept / "topk" / "worker_0").iterdir())
+    saved = []
+    for worker in range(before):
+        path = kept / "topk" / f"worker_{worker}" / newest / "latest.weights.h5"
+        with h5py.File(path, "r") as f:
+            saved.append({k: f["optimizer/vars"][k][()] for k in f["optimizer/vars"]})
+    results = [result(resumed, "topk", w) for w in range(after)]
+    key = _residual_key(results[0][0], "")
+    restored = [arrays[_residual_key(arrays, "resumed")] for arrays, _ in results]
+    assert np.abs(_job_total([s[key] for s in saved])).sum() > 0
+    np.testing.assert_allclose(
+        _job_total(restored), _job_total([s[key] for s in saved]), rtol=1e-5, atol=1e-6
+    )
+    for _, history in results:
+        assert len(history["loss"]) == 2  # resumed at epoch 2 of 4
+    assert not (backup / "topk").exists()
+
+
+def test_the_chiefs_checkpoint_gives_every_worker_its_own_rows(tmp_path):
+    """The chief writes the tf.train.Checkpoint (the other worker a copy elsewhere): it
+    holds both workers' residuals, and each worker restores its own."""
+    launch(tmp_path, "--configs=topk", "--epochs=1", "--chief-checkpoint")
+    rows = []
+    for worker in (0, 1):
+        arrays, _ = result(tmp_path, "topk", worker)
+        for key in arrays:
+            if key.startswith("o"):
+                np.testing.assert_array_equal(arrays["restored" + key[1:]], arrays[key], key)
+        rows.append(arrays[_residual_key(arrays, "o")])
+    assert np.abs(rows[0] - rows[1]).max() > 1e-4
+    reader = tf.train.load_checkpoint(str(tmp_path / "topk_ckpt"))
+    state = next(
+        k
+        for k in reader.get_variable_to_shape_map()
+        if k.endswith("tf_sparsify_optimizer/.ATTRIBUTES/state")
+    )
+    manifest = json.loads(reader.get_tensor(state)[0])
+    assert (manifest["first_row"], manifest["world"]) == (0, 2)
 
 
 def test_chief_alone_saves_and_the_file_loads(tmp_path):

@@ -103,6 +103,10 @@ class ExchangeCheckpoint(trackable.Trackable):
         optimizer's own)."""
         return [e.variable for e in self._entries() if e.kind not in PER_REPLICA_KINDS]
 
+    def per_replica_keys(self) -> dict[int, str]:
+        """``id(variable) -> key`` of every per-replica variable."""
+        return {id(e.variable): e.key for e in self._entries() if e.kind in PER_REPLICA_KINDS}
+
     def local_rows(self) -> dict[str, np.ndarray]:
         """This process's rows of every per-replica variable."""
         return {e.key: _stacked(e.variable) for e in self._entries() if e.kind in PER_REPLICA_KINDS}

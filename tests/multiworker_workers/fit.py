@@ -1,12 +1,20 @@
 """One worker of a ``MultiWorkerMirroredStrategy`` job that trains with ``model.fit``.
 
     python tests/multiworker_workers/fit.py --out DIR [--configs topk,identity] [--data numpy]
-        [--strategy mwms|mirrored] [--backup DIR] [--kill-at EPOCH:BATCH] [--chief-save]
+        [--strategy mwms|mirrored|none] [--backup DIR] [--kill-at EPOCH:BATCH]
+        [--kill-before-backup EPOCH] [--kill-in-backup EPOCH] [--kill-worker W]
+        [--chief-save] [--chief-checkpoint]
 
 Under ``mwms`` the worker index comes from ``TF_CONFIG`` (``run_local_workers``); ``mirrored``
 runs one process with a 2-replica ``MirroredStrategy`` over logical CPU devices, for
-comparison. Per configuration it writes ``<config>_<worker>.npz`` (weights, the optimizer's
-saved values, evaluation, predictions) and ``<config>_<worker>.json`` (history).
+comparison, ``none`` one process without a strategy. Per configuration it writes
+``<config>_<worker>.npz`` (weights, the optimizer's saved values and which are residuals,
+evaluation, predictions, with ``--backup`` the optimizer's values right after the backup was
+restored) and ``<config>_<worker>.json`` (history). ``--kill-before-backup E``
+kills worker ``W`` (``--kill-worker``, default 1) at the end of epoch ``E`` before it writes
+its backup, ``--kill-in-backup E`` after its weights file is written, before the backup is
+complete. ``--chief-checkpoint``: the chief writes a ``tf.train.Checkpoint`` (the others a
+copy elsewhere), every worker restores the chief's into a fresh model (``restored*``).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -80,6 +89,56 @@ class KillAt(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillBeforeBackup(keras.callbacks.Callback):
+    """SIGKILL this process at the end of epoch ``epoch``, before the callbacks after it."""
+
+    def __init__(self, epoch: int):
+        super().__init__()
+        self.kill_epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.kill_epoch:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_in_backup(model, epoch: int) -> None:
+    """SIGKILL this process once it has written the weights file of its backup at the end of
+    epoch ``epoch`` (the backup's metadata not yet)."""
+    save_weights = model.save_weights
+    done = {"epochs": 0}
+
+    def saving(*args, **kwargs):
+        save_weights(*args, **kwargs)
+        done["epochs"] += 1
+        if done["epochs"] == epoch + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model.save_weights = saving
+
+
+class RecordRestored(keras.callbacks.Callback):
+    """The optimizer's saved values when training begins (after a backup's restore)."""
+
+    def on_train_begin(self, logs=None):
+        self.values = [replica_values.saved_value(v) for v in self.model.optimizer.variables]
+
+
+def chief_checkpoint(strategy, model, config: str, worker: int, out: str) -> list[np.ndarray]:
+    """The chief writes a checkpoint, the others a copy in a temporary folder; every worker
+    restores the chief's into a fresh model: its optimizer's saved values."""
+    folder = out if worker == 0 else tempfile.mkdtemp()
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    checkpoint.write(os.path.join(folder, f"{config}_ckpt"))
+    barrier = strategy.run(lambda: tf.constant(1.0))
+    strategy.reduce("SUM", barrier, axis=None)  # the chief's file is complete
+    fresh = make_model(strategy, config)
+    with strategy.scope():
+        fresh.optimizer.build(fresh.trainable_variables)
+    restored = tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer)
+    restored.read(os.path.join(out, f"{config}_ckpt")).assert_consumed()
+    return [replica_values.saved_value(v) for v in fresh.optimizer.variables]
+
+
 def run(args) -> None:
     if args.strategy == "mirrored":
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -88,6 +147,8 @@ def run(args) -> None:
         )
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         worker = 0
+    elif args.strategy == "none":
+        strategy, worker = tf.distribute.get_strategy(), 0
     else:
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
@@ -97,10 +158,16 @@ def run(args) -> None:
     x, y = make_data()
     for config in args.configs.split(","):
         model = make_model(strategy, config)
-        callbacks = []
+        callbacks, record = [], RecordRestored()
+        killed = worker == args.kill_worker
+        if args.kill_before_backup is not None and killed:
+            callbacks.append(KillBeforeBackup(args.kill_before_backup))
+        if args.kill_in_backup is not None and killed:
+            kill_in_backup(model, args.kill_in_backup)
         if args.backup:
             callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.backup, config)))
-        if args.kill_at and worker == 1:
+            callbacks.append(record)
+        if args.kill_at and killed:
             callbacks.append(KillAt(*map(int, args.kill_at.split(":"))))
         try:
             history = model.fit(
@@ -111,15 +178,26 @@ def run(args) -> None:
             continue
         if args.chief_save and worker == 0:
             model.save(os.path.join(args.out, f"{config}_chief.keras"))
+        extra = {}
+        if args.chief_checkpoint:
+            restored = chief_checkpoint(strategy, model, config, worker, args.out)
+            extra.update({f"restored{i}": r for i, r in enumerate(restored)})
+        if args.backup:
+            extra.update({f"resumed{i}": r for i, r in enumerate(record.values)})
         evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
         predictions = model.predict(x[:100], batch_size=GLOBAL_BATCH, verbose=0)
         saved = [replica_values.saved_value(v) for v in model.optimizer.variables]
+        residuals = [r for r in getattr(model.optimizer, "residuals", ()) if r is not None]
+        extra["residual_indexes"] = np.array(
+            [i for i, v in enumerate(model.optimizer.variables) if any(v is r for r in residuals)]
+        )
         np.savez(
             os.path.join(args.out, f"{config}_{worker}.npz"),
             evaluation=np.asarray(evaluation),
             predictions=predictions,
             **{f"w{i}": w for i, w in enumerate(model.get_weights())},
             **{f"o{i}": s for i, s in enumerate(saved)},
+            **extra,
         )
         with open(os.path.join(args.out, f"{config}_{worker}.json"), "w") as f:
             json.dump(history.history, f)
@@ -131,11 +209,15 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--configs", default="topk")
     p.add_argument("--data", choices=("numpy", "dataset"), default="numpy")
-    p.add_argument("--strategy", choices=("mwms", "mirrored"), default="mwms")
+    p.add_argument("--strategy", choices=("mwms", "mirrored", "none"), default="mwms")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--backup", default=None)
     p.add_argument("--kill-at", default=None)
+    p.add_argument("--kill-before-backup", type=int, default=None)
+    p.add_argument("--kill-in-backup", type=int, default=None)
+    p.add_argument("--kill-worker", type=int, default=1)
     p.add_argument("--chief-save", action="store_true")
+    p.add_argument("--chief-checkpoint", action="store_true")
     p.add_argument("--enable", action="store_true", help="enable_multi_worker_fit() first")
     run(p.parse_args())
 

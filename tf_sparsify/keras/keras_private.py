@@ -42,14 +42,8 @@ TRAINER_ENTRY_POINTS = (
     "predict_on_batch",
 )
 _TRAINER_INTERNALS = ("_maybe_symbolic_build", "_symbolic_build")
-#: ``BackupAndRestore`` attributes that say where it writes.
-_BACKUP_ATTRIBUTES = (
-    "backup_dir",
-    "_weights_path",
-    "_training_metadata_path",
-    "_prev_weights_path",
-    "_prev_training_metadata_path",
-)
+#: ``BackupAndRestore`` internals: how it writes and reads a backup, and its epoch counter.
+_BACKUP_ATTRIBUTES = ("_save_model", "_load_model", "_current_epoch", "_last_batch_seen")
 
 
 def check() -> None:
@@ -208,10 +202,20 @@ def model_strategy(model):
     return model._distribute_strategy
 
 
-def redirect_backup(callback: keras.callbacks.BackupAndRestore, directory: str) -> None:
-    """Make a ``BackupAndRestore`` callback write and read its files in ``directory``."""
-    original = callback.backup_dir
-    for name in _BACKUP_ATTRIBUTES[1:]:
-        path = getattr(callback, name)
-        setattr(callback, name, directory + path[len(original) :])
-    callback.backup_dir = directory
+def take_over_backup(callback: keras.callbacks.BackupAndRestore, save, load, finish) -> None:
+    """Make a ``BackupAndRestore`` callback write a backup with ``save(callback)``, restore
+    one with ``load(callback)`` (at the start of ``fit``) and end with ``finish(callback)``."""
+    callback._save_model = lambda: save(callback)
+    callback._load_model = lambda: load(callback)
+    callback.on_train_end = lambda logs=None: finish(callback)
+
+
+def backup_progress(callback: keras.callbacks.BackupAndRestore) -> tuple[int, int]:
+    """``(epoch, batch)`` a ``BackupAndRestore`` callback records in a backup."""
+    return callback._current_epoch, callback._last_batch_seen
+
+
+def resume_at_epoch(model, callback: keras.callbacks.BackupAndRestore, epoch: int) -> None:
+    """Start ``fit`` at ``epoch`` (what Keras' restore sets), counted on by ``callback``."""
+    model._initial_epoch = epoch
+    callback._current_epoch = epoch

@@ -7,10 +7,9 @@ with ``axis=0``, which scalars do not have. The repair, for models it applies to
 
 * the model is built from this worker's own first batch (only its shapes matter);
 * scalar logs are averaged over all replicas (``axis=None``), other logs as Keras does;
-* each ``keras.callbacks.BackupAndRestore`` writes to and restores from its own subfolder
-  ``worker_<index>`` of its ``backup_dir``, so every worker keeps its own error-feedback
-  residuals (the optimizer saves each replica's residual, see
-  :mod:`tf_sparsify.replica_values`).
+* each ``keras.callbacks.BackupAndRestore`` keeps every worker's own backups, and the
+  workers resume from one step that all of them completed, also in a job of another size
+  (:mod:`tf_sparsify.keras.backups`).
 
 It applies to every model compiled with a :class:`~tf_sparsify.SparsifiedOptimizer` (anywhere
 in its optimizer chain), and to every model after :func:`enable_multi_worker_fit`. Models it
@@ -20,18 +19,16 @@ nothing. Everything here reads Keras' private API through :mod:`tf_sparsify.kera
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import tensorflow as tf
 
-from tf_sparsify.keras import keras_private
+from tf_sparsify import replica_values
+from tf_sparsify.keras import backups, keras_private
 
 #: the model whose ``fit``/``evaluate``/``predict`` call is running, when the repair applies
 _repaired_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -62,39 +59,25 @@ def applies_to(model) -> bool:
     return _state["all_models"] or find_sparsified(getattr(model, "optimizer", None)) is not None
 
 
-def is_multi_worker(strategy: tf.distribute.Strategy | None) -> bool:
-    """Whether ``strategy`` spans more than this process (replicas on other workers)."""
-    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return False
-    return strategy.num_replicas_in_sync > len(strategy.extended.worker_devices)
-
-
-def worker_index(strategy: tf.distribute.Strategy) -> int:
-    """This worker's index in a multi-worker strategy's cluster."""
-    return int(strategy.cluster_resolver.task_id)
-
-
 def _repairing(method: Callable, name: str) -> Callable:
-    """``method`` with the repair switched on for the duration of the call, when it applies."""
+    """``method`` with the repair switched on for the duration of the call, when it applies;
+    ``BackupAndRestore`` callbacks of the models it applies to keep every worker's own
+    backups (:mod:`tf_sparsify.keras.backups`), under any strategy."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        strategy = self.distribute_strategy
-        if not (applies_to(self) and is_multi_worker(strategy)):
+        if not applies_to(self):
+            return method(self, *args, **kwargs)
+        backups.take_over(kwargs.get("callbacks"), self)
+        if not replica_values.is_multi_worker(self.distribute_strategy):
             return method(self, *args, **kwargs)
         if name == "fit":
             _warn_if_shuffles_may_differ(args, kwargs)
-        folders = _give_backups_own_folders(kwargs.get("callbacks"), worker_index(strategy))
         token = _repaired_call.set(True)
         try:
-            result = method(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
         finally:
             _repaired_call.reset(token)
-        for folder in folders:  # Keras removed this worker's backup; the last one out tidies
-            if not os.path.exists(folder) and os.path.isdir(os.path.dirname(folder)):
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.dirname(folder))
-        return result
 
     return wrapper
 
@@ -111,19 +94,6 @@ def _warn_if_shuffles_may_differ(args: tuple, kwargs: dict) -> None:
             "shards overlap.",
             stacklevel=3,
         )
-
-
-def _give_backups_own_folders(callbacks, index: int) -> list[str]:
-    """Each ``BackupAndRestore`` writes to ``<backup_dir>/worker_<index>``: every worker saves
-    and restores its own state, and no two processes write one file. Returns the folders."""
-    folders = []
-    for callback in getattr(callbacks, "callbacks", callbacks or ()):
-        if isinstance(callback, keras.callbacks.BackupAndRestore):
-            folder = f"worker_{index}"
-            if os.path.basename(os.path.normpath(callback.backup_dir)) != folder:
-                keras_private.redirect_backup(callback, os.path.join(callback.backup_dir, folder))
-            folders.append(callback.backup_dir)
-    return folders
 
 
 def _build_from_local_batch(original: Callable) -> Callable:
