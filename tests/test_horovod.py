@@ -40,7 +40,7 @@ def _require_horovod() -> None:
     except ImportError as error:
         pytest.fail(
             f"Horovod is not usable in this environment (`import horovod.tensorflow`: {error}). "
-            "Build it with `make horovod` (scripts/install_horovod.sh .venv)."
+            "Build it with `make horovod` (python -m tf_sparsify install-horovod)."
         )
     if not os.access(HOROVODRUN, os.X_OK):
         pytest.fail(f"{HOROVODRUN} is missing: build Horovod with `make horovod`.")

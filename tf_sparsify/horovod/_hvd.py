@@ -7,8 +7,8 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "tf_sparsify.horovod needs Horovod built for TensorFlow (`import horovod.tensorflow` "
-        f"failed: {error}). Build it into the virtualenv with `bash scripts/install_horovod.sh "
-        ".venv` (or `make horovod`)."
+        f"failed: {error}). Build it into this environment with `python -m tf_sparsify "
+        "install-horovod` (from a clone: `make horovod`)."
     ) from error
 
 __all__ = ["hvd"]
