@@ -4,8 +4,9 @@ No custom kernel runs under XLA: the ops fall back to the pure-TF reference ther
 (also under ``TF_SPARSIFY_REQUIRE_OPS=1``), and must give the kernels' results. Random choices
 must not depend on ``jit_compile`` either (XLA's stateless random ops give other numbers for
 the same seed). On CPU XLA: ``model.fit`` with every single-device compressor against the same
-fit without XLA, each op inside ``tf.function(jit_compile=True)`` against its kernel; and
-steps XLA cannot compile (Horovod's ops, SparseAllReduce's data-dependent sizes): Keras'
+fit without XLA, each op inside ``tf.function(jit_compile=True)`` against its kernel, sparse
+gradients (their touched rows padded under XLA) against the same rows without it; and steps
+XLA cannot compile (Horovod's ops, SparseAllReduce's data-dependent sizes): Keras'
 ``jit_compile="auto"`` resolves to ``False`` for them, ``True`` fails at the first step with a
 ValueError naming ``jit_compile=False`` (no ``hvd.init`` needed; the same check under
 ``horovodrun`` is ``xla_rejected`` in ``tests/test_horovod.py``).
@@ -23,6 +24,8 @@ import tensorflow as tf
 import tf_sparsify as tfs
 import tf_sparsify.ops as ops
 from tests.conftest import DTYPES, UINT
+from tests.embedding_model import TARGETS, TOKENS, embedding_model
+from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.keras import sparse_sgd
 from tf_sparsify.ops import library, xla
 
@@ -135,6 +138,114 @@ def test_custom_loop_under_tf_function_jit_compile(compiled):
 
     for a, b in zip(run(True), run(False), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# -- sparse gradients: the touched rows, padded under XLA -----------------------------------
+ROWS_COMPRESSORS = {
+    "topk_ef": lambda: tfs.TopK(ratio=0.25),
+    "topk_k7": lambda: tfs.TopK(k=7),
+    "topk_float16_values": lambda: tfs.TopK(ratio=0.2, value_dtype="float16"),
+    "identity": tfs.Identity,
+    "fp16": tfs.FP16,
+    "bf16": tfs.BF16,
+}
+VOCAB, WIDTH = 20, 6
+
+
+def sparse_steps() -> list[tuple[np.ndarray, np.ndarray]]:
+    """12 steps of ``(indices, values)`` for a [20, 6] table: duplicates, every third step
+    more indices (30) than rows, ties and a zero at step 4."""
+    rng = np.random.default_rng(5)
+    steps = []
+    for step in range(12):
+        n = 30 if step % 3 == 0 else int(rng.integers(3, 12))
+        indices = rng.integers(0, VOCAB, size=n).astype(np.int32)
+        values = rng.standard_normal((n, WIDTH)).astype(np.float32)
+        if step == 4:
+            values[:2], values[2, 0] = np.round(values[:2]), 0.0
+        steps.append((indices, values))
+    return steps
+
+
+class Twins(LocalCollective):
+    """Two replicas in one, the other sending what this one sends (MirroredStrategy's
+    collectives do not compile under XLA on CPU): rows that both replicas touch combined."""
+
+    num_replicas, divisor = 2, 2.0
+
+    def all_reduce_sum(self, tensors):
+        return [t + t for t in tensors]
+
+    def all_gather(self, tensors):
+        return [tf.stack([t, t]) for t in tensors]
+
+    def all_gather_rows(self, tensors):
+        return [tf.concat([t, t], 0) for t in tensors]
+
+
+class TwinsTransport(tfs.Transport):
+    def collective(self, pipeline, units, present=None):
+        return Twins()
+
+
+def sparse_rows_run(name: str, jit_compile: bool, twins: bool) -> list[tf.Tensor]:
+    """The table and its residual after the 12 :func:`sparse_steps` through SGD wrapped with
+    the compressor ``name``, in a function whose index count is unknown when traced."""
+    table = tf.Variable(np.random.default_rng(1).standard_normal((VOCAB, WIDTH)), dtype=tf.float32)
+    optimizer = tfs.SparsifiedOptimizer(
+        keras.optimizers.SGD(0.1),
+        ROWS_COMPRESSORS[name](),
+        transport=TwinsTransport() if twins else None,
+    )
+    optimizer.build([table])
+    signature = [tf.TensorSpec([None], tf.int32), tf.TensorSpec([None, WIDTH], tf.float32)]
+
+    @tf.function(jit_compile=jit_compile, input_signature=signature)
+    def step(indices, values):
+        grad = tf.IndexedSlices(values, indices, tf.constant([VOCAB, WIDTH]))
+        optimizer.apply_gradients([(grad, table)])
+
+    for indices, values in sparse_steps():
+        step(indices, values)
+    residual = optimizer.residuals[0]
+    return [tf.convert_to_tensor(table)] + (
+        [] if residual is None else [tf.convert_to_tensor(residual)]
+    )
+
+
+@pytest.mark.parametrize(
+    "name, twins",
+    [(name, False) for name in sorted(ROWS_COMPRESSORS)] + [("topk_ef", True), ("fp16", True)],
+    ids=[*sorted(ROWS_COMPRESSORS), "topk_ef-two_replicas", "fp16-two_replicas"],
+)
+def test_sparse_rows_under_xla_equal_rows_without(name, twins):
+    """An IndexedSlices gradient goes through the same touched-rows semantics under XLA
+    (rows padded to the batch's bound): TopK's k from the touched entries, the same entries
+    selected (ties to the lowest index), the same residual rows written; bit for bit, also
+    with two replicas' rows combined."""
+    assert_same(sparse_rows_run(name, True, twins), sparse_rows_run(name, False, twins), name)
+
+
+def fit_embedding(compressor: tfs.Compressor, jit_compile: bool) -> list[np.ndarray]:
+    """The embedding and its residual after 12 steps of ``model.fit`` (SGD, batches of 8)."""
+    model = embedding_model()
+    optimizer = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.5), compressor)
+    model.compile(optimizer, "mse", jit_compile=jit_compile)
+    model.fit(TOKENS, TARGETS, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    return [model.weights[0].numpy(), optimizer.residuals[0].numpy()]
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: tfs.TopK(ratio=0.25), tfs.FP16, tfs.BF16], ids=["topk", "fp16", "bf16"]
+)
+def test_fit_on_an_embedding_with_xla_equals_fit_without(compiled, make):
+    """The embedding's gradient stays rows under XLA: weights and residuals within XLA's own
+    rounding of the dense layers (densified under XLA, TopK selected over the whole table and
+    the casts sent every row's residual: the embeddings differed by 1e-2 and 1e-4)."""
+    got, want = fit_embedding(make(), True), fit_embedding(make(), False)
+    assert want[1].any()
+    for a, b, what in zip(got, want, ["embedding", "residual"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=what)
 
 
 def test_jit_compile_auto_turns_xla_on_where_a_gpu_is_seen_and_fit_runs(compiled, monkeypatch):

@@ -347,9 +347,9 @@ class GradientPipeline:
         per_replica: bool,
     ) -> frozenset[int]:
         """The variables whose ``IndexedSlices`` gradient travels as rows
-        (:func:`tf_sparsify.sparse_rows.keeps_rows`; one-variable units only; none under XLA,
-        which cannot compile row counts that depend on the data)."""
-        if not collective.gathers_rows or in_xla_context():
+        (:func:`tf_sparsify.sparse_rows.keeps_rows`; one-variable units only; under XLA
+        padded to a bound the batch gives)."""
+        if not collective.gathers_rows:
             return frozenset()
         return frozenset(
             u.indices[0]
