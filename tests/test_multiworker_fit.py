@@ -141,22 +141,61 @@ def straight_run(tmp_path_factory):
     return out
 
 
+BACKED_UP = ("--configs=topk", "--epochs=4")
+
+
+@pytest.fixture(scope="module")
+def killed_backups(tmp_path_factory):
+    """``workers -> backup folder`` of a TopK job of that many workers whose last worker was
+    killed in the middle of epoch 2 (each test resumes from a copy)."""
+    made = {}
+
+    def killed(workers: int):
+        if workers not in made:
+            root = tmp_path_factory.mktemp(f"killed{workers}")
+            with pytest.raises(RuntimeError, match=r"exit -9"):
+                launch(
+                    root,
+                    *BACKED_UP,
+                    f"--backup={root / 'bk'}",
+                    "--kill-at=2:3",
+                    f"--kill-worker={workers - 1}",
+                    workers=workers,
+                )
+            made[workers] = root / "bk"
+        return made[workers]
+
+    return killed
+
+
+def _resume_from_copy(source, tmp_path):
+    backup = tmp_path / "bk"
+    shutil.copytree(source, backup)
+    return backup
+
+
 @pytest.mark.parametrize(
     "kill, epochs_again",
-    [("--kill-at=2:3", 2), ("--kill-before-backup=1", 3), ("--kill-in-backup=1", 3)],
+    [(None, 2), ("--kill-before-backup=1", 3), ("--kill-in-backup=1", 3)],
     ids=["mid_epoch", "before_its_backup", "inside_its_backup"],
 )
-def test_backup_and_restore_after_a_worker_is_killed(tmp_path, straight_run, kill, epochs_again):
+def test_backup_and_restore_after_a_worker_is_killed(
+    tmp_path, straight_run, killed_backups, kill, epochs_again
+):
     """Worker 1 dies mid-epoch, or at an epoch's end after worker 0 wrote its backup (before
     its own, or with its weights file written and no metadata): both resume from the newest
     backup both completed and end equal to the run that never stopped."""
-    resumed, backup = tmp_path / "resumed", tmp_path / "bk"
+    resumed = tmp_path / "resumed"
     resumed.mkdir()
-    with pytest.raises(RuntimeError, match=r"exit -9"):
-        launch(resumed, "--configs=topk", "--epochs=4", f"--backup={backup}", kill)
+    if kill is None:
+        backup = _resume_from_copy(killed_backups(2), tmp_path)
+    else:
+        backup = tmp_path / "bk"
+        with pytest.raises(RuntimeError, match=r"exit -9"):
+            launch(resumed, *BACKED_UP, f"--backup={backup}", kill)
     saved = sorted(p.name for p in (backup / "topk").iterdir())
     assert saved == ["worker_0", "worker_1"]
-    outputs = launch(resumed, "--configs=topk", "--epochs=4", f"--backup={backup}")
+    outputs = launch(resumed, *BACKED_UP, f"--backup={backup}")
     assert all("topk done" in o for o in outputs)
     for worker in (0, 1):
         (got, history), (want, _) = (
@@ -186,18 +225,16 @@ def _residual_key(arrays: dict, prefix: str) -> str:
     ids=["2_to_1", "2_to_no_strategy", "1_to_2", "2_to_3"],
 )
 def test_a_relaunch_with_another_worker_count_resumes_and_conserves(
-    tmp_path, before, after, strategy
+    tmp_path, killed_backups, before, after, strategy
 ):
     """The job resumes at the saved epoch (not from epoch 0), each worker with an even share
     of every residual total of the saved job, and each says so once."""
-    first, resumed, backup = tmp_path / "first", tmp_path / "resumed", tmp_path / "bk"
-    first.mkdir(), resumed.mkdir()
-    args = ("--configs=topk", "--epochs=4", f"--backup={backup}")
-    with pytest.raises(RuntimeError, match=r"exit -9"):
-        launch(first, *args, "--kill-at=2:3", f"--kill-worker={before - 1}", workers=before)
-    kept = tmp_path / "kept"
-    shutil.copytree(backup, kept)
-    outputs = launch(resumed, *args, f"--strategy={strategy}", workers=after)
+    kept = killed_backups(before)
+    backup, resumed = _resume_from_copy(kept, tmp_path), tmp_path / "resumed"
+    resumed.mkdir()
+    outputs = launch(
+        resumed, *BACKED_UP, f"--backup={backup}", f"--strategy={strategy}", workers=after
+    )
     for output in outputs:
         assert output.count("each error-memory total is conserved") == 1, output[-3000:]
     newest = max(p.name for p in (kept / "topk" / "worker_0").iterdir())
