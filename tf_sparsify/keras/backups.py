@@ -109,24 +109,32 @@ def _save(callback, model, job: Job) -> None:
 def _complete(folder: str) -> dict[int, dict]:
     """The complete backups in a worker's folder: step -> metadata."""
     found = {}
-    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+    for name in _listed(folder):
         match = _STEP.fullmatch(name)
-        path = os.path.join(folder, name, METADATA)
-        if match and os.path.exists(path):
-            with open(path) as f:
-                found[int(match.group(1))] = json.load(f)
+        if match:
+            with contextlib.suppress(FileNotFoundError):  # pruned meanwhile
+                with open(os.path.join(folder, name, METADATA)) as f:
+                    found[int(match.group(1))] = json.load(f)
     return found
+
+
+def _workers(root: str) -> dict[int, str]:
+    """The worker folders in ``root``: worker index -> folder."""
+    matches = map(_WORKER.fullmatch, _listed(root))
+    return {int(m.group(1)): os.path.join(root, m.group(0)) for m in matches if m}
+
+
+def _listed(folder: str) -> list[str]:
+    """The names in ``folder``; none where it does not exist (or no longer does)."""
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
 
 
 def _held(callback) -> dict[int, dict[int, dict]]:
     """Every worker folder's complete backups: worker -> step -> metadata."""
-    root = callback.backup_dir
-    names = os.listdir(root) if os.path.isdir(root) else ()
-    return {
-        int(m.group(1)): _complete(os.path.join(root, m.group(0)))
-        for m in map(_WORKER.fullmatch, names)
-        if m
-    }
+    return {w: _complete(folder) for w, folder in _workers(callback.backup_dir).items()}
 
 
 def _restore_point(held: dict[int, dict[int, dict]]) -> tuple[int, dict] | None:
@@ -222,8 +230,8 @@ def _finish(callback, job: Job) -> None:
         return
     shutil.rmtree(_folder(callback, job.worker), ignore_errors=True)
     if job.worker == 0:
-        for worker in _held(callback):
+        for worker, folder in _workers(callback.backup_dir).items():
             if worker >= job.workers:
-                shutil.rmtree(_folder(callback, worker), ignore_errors=True)
+                shutil.rmtree(folder, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.rmdir(callback.backup_dir)
