@@ -209,6 +209,16 @@ def test_backup_and_restore_after_a_worker_is_killed(
     assert not (backup / "topk").exists()  # every worker's backup removed once training ends
 
 
+def test_the_restore_point_is_the_newest_step_every_worker_of_its_job_holds():
+    from tf_sparsify.keras.backups import _restore_point
+
+    two, one = {"workers": 2}, {"workers": 1}
+    assert _restore_point({0: {8: two, 16: two}, 1: {8: two}})[0] == 8
+    # a 1-worker job went on from a 2-worker job's backup: its own are newer and complete
+    assert _restore_point({0: {16: two, 24: one, 32: one}, 1: {8: two, 16: two}})[0] == 32
+    assert _restore_point({0: {8: two}}) is None and _restore_point({1: {8: two}}) is None
+
+
 def _job_total(arrays: list[np.ndarray]) -> np.ndarray:
     """The sum over every row of a job of the first kernel's residual (shape 20 x 16)."""
     return sum(a.reshape(-1, 20, 16).sum(0) for a in arrays)

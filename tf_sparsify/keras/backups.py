@@ -167,8 +167,14 @@ def _load(callback, model, job: Job) -> None:
     path = os.path.join(_folder(callback, source), f"step_{step:012d}", WEIGHTS)
     with _quiet_row_warnings():
         model.load_weights(path)
-    if not same_job:
-        _conserve_rows(callback, model, step, meta)
+    if not same_job and _conserve_rows(callback, model, step, meta):
+        warnings.warn(
+            f"BackupAndRestore: the backup was written by a job of {meta['workers']} "
+            f"worker(s) and {meta['replicas']} replica(s); this job has other ones: each "
+            "error-memory total is conserved (summed, then split evenly), not each replica's "
+            "value.",
+            stacklevel=2,
+        )
     keras_private.resume_at_epoch(model, callback, meta["epoch"])
 
 
@@ -187,12 +193,16 @@ def _check_same_choice(job: Job, step: int) -> None:
         )
 
 
-def _conserve_rows(callback, model, step: int, meta: dict) -> None:
-    """Each error-memory total of the saved job, split evenly over this job's replicas."""
+def _conserve_rows(callback, model, step: int, meta: dict) -> bool:
+    """Each error-memory total of the saved job, split evenly over this job's replicas;
+    whether there was any."""
     from tf_sparsify.keras.optimizer import find_sparsified
 
+    sparsified = find_sparsified(model.optimizer)
+    if sparsified is None:  # a plain Keras optimizer (enable_multi_worker_fit): no error memory
+        return False
     optimizer, depth = model.optimizer, 0
-    while optimizer is not find_sparsified(optimizer):
+    while optimizer is not sparsified:
         optimizer, depth = optimizer.inner_optimizer, depth + 1
     checkpoint = optimizer.exchange_checkpoint
     keys = checkpoint.per_replica_keys()
@@ -204,12 +214,7 @@ def _conserve_rows(callback, model, step: int, meta: dict) -> None:
         with h5py.File(path, "r") as f:
             saved.append({key: f[group][str(i)][()] for i, key in index.items()})
     checkpoint.restore_rows({k: np.concatenate([s[k] for s in saved]) for k in index.values()})
-    warnings.warn(
-        f"BackupAndRestore: the backup was written by a job of {meta['workers']} worker(s) "
-        f"and {meta['replicas']} replica(s); this job has other ones: each error-memory total "
-        "is conserved (summed, then split evenly), not each replica's value.",
-        stacklevel=3,
-    )
+    return bool(index)
 
 
 @contextlib.contextmanager
