@@ -55,9 +55,10 @@ def forward(ws: list[np.ndarray], x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def numpy_runs(tmp_path_factory):
-    """TopK and Identity, NumPy inputs: two workers, and MirroredStrategy on two devices."""
+    """TopK and Identity, NumPy inputs: two workers (each writing the chief's checkpoint and
+    restoring it), and MirroredStrategy on two devices."""
     mw, mirror = tmp_path_factory.mktemp("mw"), tmp_path_factory.mktemp("mirrored")
-    launch(mw, "--configs=topk,identity")
+    launch(mw, "--configs=topk,identity", "--chief-checkpoint")
     mirrored(mirror, "--configs=topk,identity")
     return mw, mirror
 
@@ -265,19 +266,19 @@ def test_a_relaunch_with_another_worker_count_resumes_and_conserves(
     assert not (backup / "topk").exists()
 
 
-def test_the_chiefs_checkpoint_gives_every_worker_its_own_rows(tmp_path):
+def test_the_chiefs_checkpoint_gives_every_worker_its_own_rows(numpy_runs):
     """The chief writes the tf.train.Checkpoint (the other worker a copy elsewhere): it
     holds both workers' residuals, and each worker restores its own."""
-    launch(tmp_path, "--configs=topk", "--epochs=1", "--chief-checkpoint")
+    mw, _ = numpy_runs
     rows = []
     for worker in (0, 1):
-        arrays, _ = result(tmp_path, "topk", worker)
+        arrays, _ = result(mw, "topk", worker)
         for key in arrays:
             if key.startswith("o"):
                 np.testing.assert_array_equal(arrays["restored" + key[1:]], arrays[key], key)
         rows.append(arrays[_residual_key(arrays, "o")])
     assert np.abs(rows[0] - rows[1]).max() > 1e-4
-    reader = tf.train.load_checkpoint(str(tmp_path / "topk_ckpt"))
+    reader = tf.train.load_checkpoint(str(mw / "topk_ckpt"))
     state = next(
         k
         for k in reader.get_variable_to_shape_map()
