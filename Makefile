@@ -46,8 +46,9 @@ docs: $(VENV)/.installed
 bench-network: setup horovod sysdeps
 	$(PY) -m benchmarks.network $(BENCH_ARGS)
 
+# Two pytest workers (both cores); each test file stays on one, so its fixtures launch once.
 test: setup horovod sysdeps lint
-	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q
+	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 format: $(VENV)/.installed
 	$(PY) -m ruff format .
