@@ -6,7 +6,7 @@ default), the best of ``--repeats`` runs of:
 
 * fused: ``tf_sparsify.ops.qsgd_quantize`` and ``qsgd_dequantize``;
 * TF composite: the same computation in TensorFlow ops (``tf_sparsify.ops.pure_tf``);
-* NumPy: the NumPy model of the op (``tf_sparsify.ops.numpy_reference``);
+* NumPy: the NumPy model of the op (``tf_sparsify.testing.numpy_reference``);
 * bandwidth: one pass reading the float32 input and writing an int8 payload
   (``np.copyto`` with an unsafe cast into an existing buffer).
 

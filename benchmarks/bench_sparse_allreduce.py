@@ -89,8 +89,8 @@ def worker(ratio: float, steps: int) -> None:
     import tensorflow as tf
 
     import tf_sparsify as tfs
+    from tf_sparsify.core.pipeline import GradientPipeline
     from tf_sparsify.horovod import HorovodCollective
-    from tf_sparsify.pipeline import GradientPipeline
 
     class Counting(HorovodCollective):
         """A HorovodCollective that also counts the bytes it receives from the other ranks."""

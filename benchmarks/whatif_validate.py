@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks.network.netns import BURST, UNLIMITED
-from tf_sparsify import whatif as w
-from tf_sparsify.whatif_cli import parse_bandwidth, parse_size
+from tf_sparsify.analysis import whatif as w
+from tf_sparsify.analysis.whatif_cli import parse_bandwidth, parse_size
 
 GATHERED = ("topk1", "topk0.1", "qsgd4", "exchange_topk1")
 SUMMED = ("identity", "fp16")

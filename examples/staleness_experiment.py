@@ -7,7 +7,8 @@ Problem: ridge least squares (or l2-regularized logistic regression) on scikit-l
 breast-cancer data (568 rows, 30 standardized features + intercept), split into P = 4 equal
 shards; worker p holds ``f_p`` and ``f = mean_p f_p``. Every run is
 :class:`tf_sparsify.distribute.ServerOptimizer` on P simulated workers with full local gradients
-(SGD on float64 weights); ``L`` comes from :func:`tf_sparsify.theory.smoothness_least_squares`
+(SGD on float64 weights); ``L`` comes from
+:func:`tf_sparsify.analysis.theory.smoothness_least_squares`
 (power iteration) and ``f*`` from a direct solve (Newton for logistic).
 
 (a) Delays: fixed tau in {0, 2, 8}, random delays in [0, 8] and cyclic IAG (staleness P - 1),

@@ -10,9 +10,9 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
-from tf_sparsify.collectives import LocalCollective
-from tf_sparsify.options import DEFAULT_BUCKET_BYTES
-from tf_sparsify.pipeline import GradientPipeline
+from tf_sparsify.collectives.base import LocalCollective
+from tf_sparsify.core.options import DEFAULT_BUCKET_BYTES
+from tf_sparsify.core.pipeline import GradientPipeline
 
 # float32 sizes in bytes: 400, 40, 1600, 80, 4000, 8
 SHAPES = [(10, 10), (10,), (20, 20), (20,), (1000,), (2,)]

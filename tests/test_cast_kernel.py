@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 from tf_sparsify import ops
-from tf_sparsify.ops import numpy_reference as ref
 from tf_sparsify.ops import pure_tf
+from tf_sparsify.testing import numpy_reference as ref
 
 WIRES = {"float16": tf.float16, "bfloat16": tf.bfloat16}
 F32_BITS = [

@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
+from tf_sparsify.core.replica_values import saved_value
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
-from tf_sparsify.replica_values import saved_value
 
 RNG = np.random.default_rng(7)
 X = RNG.normal(size=(64, 10)).astype("float32")

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_sparsify as tfs
 from tf_sparsify import ops
 from tf_sparsify.compressors import deserialize, serialize
-from tf_sparsify.pipeline import GradientPipeline
+from tf_sparsify.core.pipeline import GradientPipeline
 
 ALL = [
     tfs.TopK(ratio=0.1),

@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
-from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
+from tf_sparsify.collectives.base import LocalCollective, ReplicaContextCollective
+from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.heuristics import (
     DensitySchedule,
     clip_by_local_norm,
@@ -18,7 +19,6 @@ from tf_sparsify.heuristics import (
     local_clip_threshold,
     with_density,
 )
-from tf_sparsify.pipeline import GradientPipeline
 
 
 def topk_indices(v: np.ndarray, k: int) -> np.ndarray:

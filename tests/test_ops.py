@@ -22,8 +22,8 @@ import tensorflow as tf
 import tf_sparsify.ops as ops
 from tests.conftest import DTYPES, KIND, ROOT, UINT
 from tf_sparsify.ops import library
-from tf_sparsify.ops import numpy_reference as npref
 from tf_sparsify.ops import pure_tf as reference
+from tf_sparsify.testing import numpy_reference as npref
 
 
 @pytest.fixture

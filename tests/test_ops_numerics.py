@@ -23,9 +23,9 @@ import tensorflow as tf
 
 import tf_sparsify.ops as ops
 from tests.conftest import DTYPES, KIND, UINT
-from tf_sparsify.ops import numpy_reference as npref
 from tf_sparsify.ops import pure_tf as reference
 from tf_sparsify.ops.paths import SOURCE_DIR
+from tf_sparsify.testing import numpy_reference as npref
 
 TINY32 = 2.0**-126
 # A float32 exactly in the band the flush rule decides: its IEEE (gradual) rounding at the

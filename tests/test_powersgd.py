@@ -14,11 +14,11 @@ import tensorflow as tf
 import tf_sparsify as tfs
 from tests.powersgd_reference import numpy_powersgd, orthonormal, seeded_q
 from tests.test_optimizer import X, Y, checkpoint_run, compile_fit
-from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
+from tf_sparsify.collectives.base import LocalCollective, ReplicaContextCollective
 from tf_sparsify.compressors import deserialize, serialize
 from tf_sparsify.compressors.base import check_contraction
+from tf_sparsify.core.pipeline import GradientPipeline, bytes_per_step
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
-from tf_sparsify.pipeline import GradientPipeline, bytes_per_step
 
 # compressed as 12x5, compressed as 12x6, a vector, a matrix where rank 2 does not pay
 SHAPES = [(12, 5), (4, 3, 6), (5,), (3, 3)]

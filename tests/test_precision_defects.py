@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
-from tf_sparsify.collectives import LocalCollective
-from tf_sparsify.pipeline import GradientPipeline
+from tf_sparsify.collectives.base import LocalCollective
+from tf_sparsify.core.pipeline import GradientPipeline
 
 F16_MAX = 65504.0
 SHAPE = (8, 6)  # compressed by PowerSGD(2): 2 * (8 + 6) < 48

@@ -9,15 +9,16 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
+from tf_sparsify.analysis.whatif import topk_entries
 from tf_sparsify.compressors.base import check_ratio, decimal_ratio, k_for
-from tf_sparsify.ops import decode_indices, encode_indices, numpy_reference
+from tf_sparsify.ops import decode_indices, encode_indices
 from tf_sparsify.ops.index_code import (
     index_code_bytes,
     low_bits_for,
     reference_decode,
     reference_encode,
 )
-from tf_sparsify.whatif import topk_entries
+from tf_sparsify.testing import numpy_reference
 
 # -- 1. k from a ratio: the ceiling of ratio * d with the ratio the user wrote --------------------
 RATIO_CASES = [

@@ -18,10 +18,10 @@ from tests import sparse_allreduce_reference as reference
 from tests.conftest import ROOT
 from tests.test_horovod import _launch, _passed
 from tests.test_optimizer import compile_fit
-from tf_sparsify.collectives import LocalCollective
+from tf_sparsify.collectives.base import LocalCollective
 from tf_sparsify.compressors import deserialize, serialize
+from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
-from tf_sparsify.pipeline import GradientPipeline
 
 SHAPES = [(6, 5), (7,)]
 

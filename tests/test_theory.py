@@ -1,4 +1,5 @@
-"""tf_sparsify.theory: the delayed step-size bound, quantizer variances, smoothness estimates."""
+"""tf_sparsify.analysis.theory: the delayed step-size bound, quantizer variances, smoothness
+estimates."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import tensorflow as tf
 from sklearn.datasets import load_breast_cancer
 
 import tf_sparsify as tfs
-from tf_sparsify import theory
+from tf_sparsify.analysis import theory
 
 
 def _delayed_gd(hessian: np.ndarray, gamma: float, tau: int, steps: int) -> float:

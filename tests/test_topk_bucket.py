@@ -11,11 +11,11 @@ import tensorflow as tf
 
 import tf_sparsify as tfs
 from tf_sparsify import ops
-from tf_sparsify.collectives import LocalCollective, SimulatedWorkerCollective
+from tf_sparsify.collectives.base import LocalCollective, SimulatedWorkerCollective
 from tf_sparsify.compressors import topk_bucket
+from tf_sparsify.core.pipeline import GradientPipeline, SparseUpdate
 from tf_sparsify.ops import index_code
-from tf_sparsify.ops import numpy_reference as ref
-from tf_sparsify.pipeline import GradientPipeline, SparseUpdate
+from tf_sparsify.testing import numpy_reference as ref
 
 SHAPES = [(3, 4), (0,), (7,), (5, 2, 3), (1,), (2, 2)]
 KS = [2, 0, 7, 1, 0, 4]  # k = 0, k = n, an empty tensor

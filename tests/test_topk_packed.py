@@ -12,11 +12,11 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
-from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
+from tf_sparsify.collectives.base import LocalCollective, ReplicaContextCollective
 from tf_sparsify.compressors import deserialize, serialize
+from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.ops import decode_indices, encode_indices
 from tf_sparsify.ops.index_code import index_code_bytes, reference_decode, reference_encode
-from tf_sparsify.pipeline import GradientPipeline
 
 NP_VALUE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 

@@ -1,4 +1,5 @@
-"""The network what-if (``tf_sparsify.whatif``, its CLI and the validation script): formulas
+"""The network what-if (``tf_sparsify.analysis.whatif``, its CLI and the validation script):
+formulas
 against hand-computed values, monotonicity in bandwidth and P, the TopK/dense crossover against
 its closed form, the validation's calibration on synthetic rows, and bad input."""
 
@@ -15,9 +16,9 @@ import pytest
 import tf_sparsify as tfs
 from benchmarks import whatif_validate as wv
 from tests.conftest import ROOT
-from tf_sparsify import theory
-from tf_sparsify import whatif as w
-from tf_sparsify import whatif_cli as cli
+from tf_sparsify.analysis import theory
+from tf_sparsify.analysis import whatif as w
+from tf_sparsify.analysis import whatif_cli as cli
 
 GBIT = 1e9 / 8
 FLAT = w.Layers(((10**6,),))  # k = 1% of 10^6 exactly; no rounding per tensor

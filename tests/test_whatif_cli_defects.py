@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from tf_sparsify import whatif as w
-from tf_sparsify import whatif_cli as cli
+from tf_sparsify.analysis import whatif as w
+from tf_sparsify.analysis import whatif_cli as cli
 
 BASE = ["--compute-ms", "100", "--params", "25M"]
 GBIT = 1e9 / 8

@@ -1,6 +1,7 @@
 """tf_sparsify: communication-efficient distributed training for TensorFlow and Keras 3."""
 
-from tf_sparsify import distribute, theory
+from tf_sparsify import compat, distribute
+from tf_sparsify.analysis import theory
 from tf_sparsify.compressors import (
     BF16,
     FP16,
@@ -14,7 +15,10 @@ from tf_sparsify.compressors import (
     TernGrad,
     TopK,
 )
-from tf_sparsify.exchange import GradientExchange
+from tf_sparsify.core.options import ExchangeOptions
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.transport import Transport
+from tf_sparsify.custom_loop.gradient_exchange import GradientExchange
 from tf_sparsify.heuristics import dgc_density_schedule
 from tf_sparsify.keras import (
     CompressionDiagnostics,
@@ -22,11 +26,10 @@ from tf_sparsify.keras import (
     DensityWarmup,
     SparsifiedOptimizer,
 )
-from tf_sparsify.options import ExchangeOptions
-from tf_sparsify.pipeline import GradientPipeline
-from tf_sparsify.transports import Transport
 
 __version__ = "0.1.0"
+
+compat.install()
 
 __all__ = [
     "BF16",

@@ -52,7 +52,7 @@ def install_horovod(dry_run: bool) -> int:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["whatif"]:  # its own options, parsed by the what-if's parser
-        from tf_sparsify import whatif_cli
+        from tf_sparsify.analysis import whatif_cli
 
         return whatif_cli.main(argv[1:])
     p = parser()

@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify import memory, ops
-from tf_sparsify.compressors import protocol
+from tf_sparsify import ops
+from tf_sparsify.compressors import error_memory as memory
+from tf_sparsify.compressors import rounds as protocol
 
 Payload = tuple[tf.Tensor, ...]
 
 if TYPE_CHECKING:
-    from tf_sparsify.compressors.protocol import Opening, Protocol, Replicas
-    from tf_sparsify.memory import UnitMemory
+    from tf_sparsify.compressors.error_memory import UnitMemory
+    from tf_sparsify.compressors.rounds import Opening, Protocol, Replicas
 
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 MAX_SEED = 2**63 - 1  # seeds travel as int64
@@ -57,7 +58,7 @@ class Compressor(abc.ABC):
     all-reduce when ``summable``, else by all-gather). A :class:`MultiRoundExchange` runs its
     own protocol of several rounds or other collectives (PowerSGD, SparseAllReduce). Either
     way the pipeline asks it to :meth:`start` a unit's exchange and drives the protocol it
-    returns (:mod:`tf_sparsify.compressors.protocol`). Subclasses set the flags below.
+    returns (:mod:`tf_sparsify.compressors.rounds`). Subclasses set the flags below.
     """
 
     unbiased: ClassVar[bool] = False
@@ -156,7 +157,7 @@ class Compressor(abc.ABC):
         gradient) with its memory ``before``: what is sent first, what the replica keeps, and
         the protocol the pipeline drives from here. ``per_replica``: every replica's
         contribution is wanted (delayed updates, IAG); ``sparse_update``: the update may come
-        as gathered entries (:class:`~tf_sparsify.compressors.protocol.SparseUpdate`)."""
+        as gathered entries (:class:`~tf_sparsify.compressors.rounds.SparseUpdate`)."""
 
 
 class Codec(Compressor):
@@ -206,7 +207,7 @@ class Codec(Compressor):
         replica_id: tf.Tensor | int = 0,
     ) -> tuple[Payload, Context, tf.Tensor]:
         """Compress ``acc = tensor + residual``: ``(payload, ctx, acc - decompress(payload))``
-        (the error-feedback rule of :mod:`tf_sparsify.memory`)."""
+        (the error-feedback rule of :mod:`tf_sparsify.compressors.error_memory`)."""
         return memory.compress_with_feedback(self, tensor, residual, step, tensor_id, replica_id)
 
     def decompress_sum(self, gathered: Payload, ctx: Context, num_replicas: int) -> tf.Tensor:
@@ -283,7 +284,8 @@ class Codec(Compressor):
         per_replica: bool,
         sparse_update: bool,
     ) -> Opening:
-        """Compress with the unit's memory (the rules of :mod:`tf_sparsify.memory`), then one
+        """Compress with the unit's memory (the rules of
+        :mod:`tf_sparsify.compressors.error_memory`), then one
         round: the payload summed or gathered, decompressed and averaged (gathered entries with
         ``sparse_update`` when the codec sends entries)."""
         remainder = None
@@ -308,7 +310,8 @@ class MultiRoundExchange(Compressor):
     """A method that runs its own exchange: several rounds or other collectives (PowerSGD's
     two all-reduces, the sparse all-reduce's all-to-all and all-gather). Subclasses implement
     :meth:`rounds`; compression happens inside it, and so does its error feedback (the
-    residual it returns is ``acc - what the replicas agreed on``, as :mod:`tf_sparsify.memory`
+    residual it returns is ``acc - what the replicas agreed on``, as
+    :mod:`tf_sparsify.compressors.error_memory`
     defines it). It cannot give each replica's contribution apart (``per_replica``)."""
 
     def start(
@@ -342,7 +345,7 @@ class MultiRoundExchange(Compressor):
         replicas: Replicas,
     ) -> Protocol:
         """Compress ``tensor`` (plus ``residual`` with error feedback), yield transfers, and
-        return the :class:`~tf_sparsify.compressors.protocol.Outcome` (update divided by the
+        return the :class:`~tf_sparsify.compressors.rounds.Outcome` (update divided by the
         divisor, new residual, new state). ``state`` holds the tensors of :meth:`state_specs`."""
 
 

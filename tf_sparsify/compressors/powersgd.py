@@ -18,8 +18,8 @@ from tf_sparsify.compressors.base import (
     dtype_bytes,
     rng_seed,
 )
-from tf_sparsify.compressors.protocol import SUM, Outcome, Protocol, Replicas, Transfer, scaled
-from tf_sparsify.memory import mark_non_finite
+from tf_sparsify.compressors.error_memory import mark_non_finite
+from tf_sparsify.compressors.rounds import SUM, Outcome, Protocol, Replicas, Transfer, scaled
 from tf_sparsify.ops import xla
 
 
@@ -55,7 +55,8 @@ class PowerSGD(MultiRoundExchange):
     residual and the update are computed in float32 and rounded once to the tensor's dtype.
     A step where either does not fit that dtype (a finite float16 accumulator near 65504 whose
     approximation, or the residual, lies beyond it) cannot be sent: it is a non-finite step on
-    every replica, as for a non-finite gradient (:mod:`tf_sparsify.memory`): the residuals and
+    every replica, as for a non-finite gradient (:mod:`tf_sparsify.compressors.error_memory`): the
+    residuals and
     ``Q`` are kept as they were, and the update is non-finite, so a ``LossScaleOptimizer``
     inside skips it. Nothing is rounded to Inf into a residual.
 

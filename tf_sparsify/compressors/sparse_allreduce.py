@@ -18,7 +18,7 @@ from tf_sparsify.compressors.base import (
     dtype_bytes,
     k_for,
 )
-from tf_sparsify.compressors.protocol import (
+from tf_sparsify.compressors.rounds import (
     ALL_TO_ALL,
     GATHER_ROWS,
     Outcome,

@@ -91,7 +91,8 @@ class TopK(Codec):
         return tf.as_dtype(self.value_dtype)
 
     def compress_compensated(self, tensor, residual, step=None, tensor_id=0, replica_id=0):
-        """Error feedback in one pass (:mod:`tf_sparsify.memory`): the fused op, then the
+        """Error feedback in one pass (:mod:`tf_sparsify.compressors.error_memory`): the fused op,
+        then the
         values' rounding error put back at their indices (O(k))."""
         tensor, ctx = self._context(tensor, step, tensor_id)
         values, indices, new_residual = ops.topk_error_feedback(

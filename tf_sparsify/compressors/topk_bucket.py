@@ -9,7 +9,7 @@ selection and residuals as one op per tensor), one :func:`~tf_sparsify.ops.encod
 one gathered ``(values, code)`` pair, one finite check, and one
 :func:`~tf_sparsify.ops.packed_decompress_sum` (or, for in-place SGD, one
 :func:`~tf_sparsify.ops.decode_indices_packed`, each variable's
-:class:`~tf_sparsify.compressors.protocol.SparseUpdate` naming its columns of the gathered
+:class:`~tf_sparsify.compressors.rounds.SparseUpdate` naming its columns of the gathered
 entries, which :func:`~tf_sparsify.ops.sparse_sgd_apply_packed` applies in one op). The wire
 bytes are those of the units sent alone (the values and index codes, concatenated); updates
 and residuals are the same bits.
@@ -23,7 +23,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparsify import ops
-from tf_sparsify.compressors.protocol import (
+from tf_sparsify.compressors.error_memory import UnitMemory
+from tf_sparsify.compressors.rounds import (
     GATHER,
     Outcome,
     Protocol,
@@ -32,7 +33,6 @@ from tf_sparsify.compressors.protocol import (
     Transfer,
 )
 from tf_sparsify.compressors.topk import TopK
-from tf_sparsify.memory import UnitMemory
 
 
 def packs(compressor: object, dtype: tf.DType) -> bool:

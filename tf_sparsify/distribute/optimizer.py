@@ -8,14 +8,14 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_sparsify.collectives import Collective
+from tf_sparsify.collectives.base import Collective
 from tf_sparsify.compressors.base import Compressor
+from tf_sparsify.compressors.error_memory import mark_non_finite
+from tf_sparsify.core.pipeline import StepResult
+from tf_sparsify.core.transport import SimulatedWorkersTransport
 from tf_sparsify.distribute.servers import Server, deserialize_server, serialize_server
 from tf_sparsify.keras import keras_private
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
-from tf_sparsify.memory import mark_non_finite
-from tf_sparsify.pipeline import StepResult
-from tf_sparsify.transports import SimulatedWorkersTransport
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
@@ -47,7 +47,7 @@ class ServerOptimizer(SparsifiedOptimizer):
     counter keys the random delays and refreshes, so a restored run continues exactly. A
     variable without a gradient in a step is left alone, table included. Non-finite steps:
     nothing enters the tables (see each server) and the update handed on is non-finite, as in
-    :mod:`tf_sparsify.pipeline`.
+    :mod:`tf_sparsify.core.pipeline`.
     """
 
     def __init__(

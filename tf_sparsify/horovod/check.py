@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tf_sparsify.compressors.base import serialize
+from tf_sparsify.core.pipeline import GradientPipeline, Unit
 from tf_sparsify.horovod._hvd import hvd
-from tf_sparsify.pipeline import GradientPipeline, Unit
 
 #: What the fingerprint covers, in the order mismatches are reported.
 FIELDS = (

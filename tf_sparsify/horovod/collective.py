@@ -27,7 +27,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from tf_sparsify import ops
-from tf_sparsify.collectives import Collective
+from tf_sparsify.collectives.base import Collective
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.ops.xla import in_xla_context
 

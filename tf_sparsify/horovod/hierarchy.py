@@ -34,12 +34,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
+from tf_sparsify.collectives.base import Collective, SimulatedWorkerCollective
 from tf_sparsify.compressors.base import check_positive_int
+from tf_sparsify.compressors.error_memory import mark_non_finite
+from tf_sparsify.core.pipeline import GradientPipeline, StepResult, Unit
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.horovod.collective import HorovodCollective
-from tf_sparsify.memory import mark_non_finite
-from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit
 
 
 @dataclasses.dataclass(frozen=True)

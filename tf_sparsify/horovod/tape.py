@@ -22,8 +22,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify import exchange
 from tf_sparsify.compressors.base import Compressor
+from tf_sparsify.custom_loop import gradient_exchange as exchange
 from tf_sparsify.horovod.transport import HorovodTransport
 
 

@@ -20,14 +20,14 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify.collectives import Collective
+from tf_sparsify.collectives.base import Collective
 from tf_sparsify.compressors.base import check_positive_int
+from tf_sparsify.core.pipeline import GradientPipeline, Unit
+from tf_sparsify.core.transport import Transport
 from tf_sparsify.horovod import hierarchy
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.horovod.check import assert_same, check_once, plan_fields, stamp
 from tf_sparsify.horovod.collective import HorovodCollective, reject_xla
-from tf_sparsify.pipeline import GradientPipeline, Unit
-from tf_sparsify.transports import Transport
 
 
 class HorovodTransport(Transport):

@@ -35,7 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify import replica_values
+from tf_sparsify.core import replica_values
 from tf_sparsify.keras import keras_private
 
 WEIGHTS = "latest.weights.h5"

@@ -4,7 +4,7 @@ The optimizer sees the gradients, a callback does not: with diagnostics on, the
 :class:`~tf_sparsify.keras.SparsifiedOptimizer` measures every N steps, inside the train step
 (``tf.cond`` on its step counter, so other steps pay one comparison), what it compressed and
 stores five numbers per message in a small optimizer variable (see
-:mod:`tf_sparsify.measurements`). This callback reads that record after each batch and
+:mod:`tf_sparsify.core.measurements`). This callback reads that record after each batch and
 turns it into:
 
 * ``norm_gap``: ``||x - C(x)|| / ||x||`` of the vector actually compressed (with error feedback
@@ -33,9 +33,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sparsify.core.measurements import summarize
 from tf_sparsify.keras.optimizer import find_sparsified
 from tf_sparsify.keras.summaries import write_scalar
-from tf_sparsify.measurements import summarize
 
 
 class CompressionDiagnostics(keras.callbacks.Callback):

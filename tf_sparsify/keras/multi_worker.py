@@ -27,7 +27,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify import replica_values
+from tf_sparsify.core import replica_values
 from tf_sparsify.keras import backups, keras_private
 
 #: the model whose ``fit``/``evaluate``/``predict`` call is running, when the repair applies

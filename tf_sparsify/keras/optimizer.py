@@ -8,11 +8,15 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_sparsify import replica_values
-from tf_sparsify.checkpointing import Entry
-from tf_sparsify.collectives import Collective
+from tf_sparsify.collectives.base import Collective
 from tf_sparsify.compressors.base import Compressor, deserialize
-from tf_sparsify.compressors.protocol import SparseUpdate
+from tf_sparsify.compressors.rounds import SparseUpdate
+from tf_sparsify.core import replica_values
+from tf_sparsify.core.checkpoint import Entry
+from tf_sparsify.core.options import ExchangeOptions
+from tf_sparsify.core.pipeline import GradientPipeline, StepResult
+from tf_sparsify.core.state import ExchangeState, StateViews
+from tf_sparsify.core.transport import Transport
 from tf_sparsify.keras import (
     auto_jit,
     inner_options,
@@ -20,10 +24,6 @@ from tf_sparsify.keras import (
     multi_worker,
     sparse_sgd,
 )
-from tf_sparsify.options import ExchangeOptions
-from tf_sparsify.pipeline import GradientPipeline, StepResult
-from tf_sparsify.state import ExchangeState, StateViews
-from tf_sparsify.transports import Transport
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
@@ -42,7 +42,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             work as usual and act on that update).
         compressor: a :class:`~tf_sparsify.compressors.Compressor`.
         **kwargs: how gradients are exchanged: the fields of
-            :class:`~tf_sparsify.options.ExchangeOptions` (``error_feedback``, ``scope``,
+            :class:`~tf_sparsify.core.options.ExchangeOptions` (``error_feedback``, ``scope``,
             ``min_size``, ``skip_1d``, ``momentum_correction``, ``local_clipnorm``,
             ``bucket_bytes``). With ``momentum_correction`` momentum happens on each replica
             before compression, so the inner optimizer must not add its own: an inner ``SGD``
@@ -51,7 +51,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         diagnostics_every: every this many steps, record the norm gap, residual norm and
             density of the step in ``diagnostics`` (0 = off; the
             :class:`~tf_sparsify.keras.CompressionDiagnostics` callback turns it on itself).
-        transport: how payloads travel (:class:`~tf_sparsify.transports.Transport`): ``None``
+        transport: how payloads travel (:class:`~tf_sparsify.core.transport.Transport`): ``None``
             is tf.distribute's replica context (one replica outside strategies); Horovod's
             :class:`~tf_sparsify.horovod.DistributedOptimizer` is this wrapper with a
             :class:`~tf_sparsify.horovod.HorovodTransport`.
@@ -64,12 +64,12 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     Residuals are optimizer variables (checkpointed, saved in ``.keras`` files). Under a
     ``tf.distribute`` strategy each replica keeps its own residual (sync-on-read). Keras'
     saving (``.keras``, ``.weights.h5``, ``BackupAndRestore``) stores each replica's residual
-    and restores it exactly (:mod:`tf_sparsify.replica_values`); in a ``tf.train.Checkpoint``
+    and restores it exactly (:mod:`tf_sparsify.core.replica_values`); in a ``tf.train.Checkpoint``
     the optimizer is one named, validated entry holding every replica's rows
-    (:mod:`tf_sparsify.checkpointing`), restored exactly. Under
+    (:mod:`tf_sparsify.core.checkpoint`), restored exactly. Under
     ``MultiWorkerMirroredStrategy``, ``model.fit`` works (:mod:`tf_sparsify.keras.multi_worker`)
     and every worker saves its own residuals. Non-finite
-    gradients never enter the residuals; see :mod:`tf_sparsify.pipeline`.
+    gradients never enter the residuals; see :mod:`tf_sparsify.core.pipeline`.
 
     The inner optimizer's options (``weight_decay``, ``clipnorm``, ``use_ema``,
     ``loss_scale_factor``, ...) read and write through the wrapper, and
@@ -144,7 +144,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         """In checkpoints, the whole optimizer is one named entry (this wrapper's, the
         exchange state's and the inner optimizer's variables; every replica's rows), checked
-        before a restore assigns anything (:mod:`tf_sparsify.checkpointing`)."""
+        before a restore assigns anything (:mod:`tf_sparsify.core.checkpoint`)."""
         if save_type != "checkpoint":
             return super()._trackable_children(save_type, **kwargs)
         return {"tf_sparsify_optimizer": self._state.checkpoint}
@@ -254,7 +254,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     def save_own_variables(self, store) -> None:
         """Keras' saving (``.keras``, ``.weights.h5``): per-replica variables (residuals,
         momenta) as the stack of this process's replica values, read without a collective
-        (:mod:`tf_sparsify.replica_values`)."""
+        (:mod:`tf_sparsify.core.replica_values`)."""
         for i, variable in enumerate(self.variables):
             store[str(i)] = replica_values.saved_value(variable)
 
@@ -280,7 +280,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
                 "A Keras file holds the error memory (residuals, momenta) of the process that "
                 f"wrote it; each of the {world} ranks restoring it now continues from those, "
                 "not from its own. For every rank's own, use tf.train.Checkpoint after "
-                "tf_sparsify.horovod.gather_error_memory (see tf_sparsify.checkpointing).",
+                "tf_sparsify.horovod.gather_error_memory (see tf_sparsify.core.checkpoint).",
                 stacklevel=2,
             )
 
@@ -345,7 +345,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     def exchange(self, grads: list, collective: Collective) -> StepResult:
         """One step of the state core on gradients in build order (residuals, momenta,
         counters and diagnostics are updated). Updates of TopK-compressed variables come as
-        :class:`~tf_sparsify.pipeline.SparseUpdate` when the inner optimizer is plain SGD
+        :class:`~tf_sparsify.core.pipeline.SparseUpdate` when the inner optimizer is plain SGD
         (:func:`~tf_sparsify.keras.sparse_sgd.applies_in_place`)."""
         sparse = self._state.gives_sparse_updates and sparse_sgd.applies_in_place(
             self.inner_optimizer, keras_private.trainable_variables(self)

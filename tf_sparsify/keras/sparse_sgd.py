@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from tf_sparsify import ops
-from tf_sparsify.compressors.protocol import SparseUpdate
+from tf_sparsify.compressors.rounds import SparseUpdate
 from tf_sparsify.keras.inner_options import INNER_OPTIONS
 
 #: inner options under which the update is no longer ``var -= learning_rate * update`` (the

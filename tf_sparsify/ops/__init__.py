@@ -42,8 +42,8 @@ import tensorflow as tf
 
 from tf_sparsify.ops import index_code, library, pure_tf
 from tf_sparsify.ops.gpu import format_cuda
-from tf_sparsify.ops.numpy_reference import num_buckets
 from tf_sparsify.ops.xla import in_xla_context
+from tf_sparsify.testing.numpy_reference import num_buckets
 
 __all__ = [
     "OpsInfo",

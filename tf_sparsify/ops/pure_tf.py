@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_sparsify.ops import numpy_reference
 from tf_sparsify.ops.xla import in_xla_context
+from tf_sparsify.testing import numpy_reference
 
 _MASKS = {
     tf.float16: (tf.int16, 0x7FFF),

@@ -35,7 +35,7 @@ class ExchangeOptions:
         skip_1d: tensors of rank 0 or 1 (biases, normalization scales) also travel
             uncompressed, without memory.
         momentum_correction: DGC momentum correction with momentum factor masking, with this
-            momentum factor in [0, 1); 0 is off (see :mod:`tf_sparsify.memory`).
+            momentum factor in [0, 1); 0 is off (see :mod:`tf_sparsify.compressors.error_memory`).
         local_clipnorm: clip each replica's gradients by their joint norm before accumulation,
             the threshold scaled by ``1/sqrt(num_replicas)`` (see
             :mod:`tf_sparsify.heuristics.clipping`); ``None`` is off. It needs the norm of all

@@ -14,7 +14,7 @@ module owns the rules of that state, in the order a step applies them:
 4. the non-finite policy: what a replica keeps is written only when the whole step was finite
    on every replica (:func:`store_if_finite`), so NaN or Inf never enter the memory and nothing
    already in it is lost; a replica whose kept state would be non-finite marks its payload
-   (see :mod:`tf_sparsify.pipeline`), so every replica agrees.
+   (see :mod:`tf_sparsify.core.pipeline`), so every replica agrees.
 
 Compressors that run their own exchange (PowerSGD, SparseAllReduce) compute ``e'`` inside their
 protocol, by the same definition. At density 1 everything is sent: ``e' = 0``, the masking
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import tensorflow as tf
 
-from tf_sparsify import replica_values
+from tf_sparsify.core import replica_values
 
 if TYPE_CHECKING:
     from tf_sparsify.compressors.base import Compressor, Context, Payload

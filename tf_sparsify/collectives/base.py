@@ -1,7 +1,7 @@
 """How payloads travel between replicas. A collective moves tensors; it knows nothing else.
 
 Every front end (Keras on one device, tf.distribute, Horovod) is one of these behind the same
-:class:`~tf_sparsify.pipeline.GradientPipeline`.
+:class:`~tf_sparsify.core.pipeline.GradientPipeline`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import tensorflow as tf
 
 if TYPE_CHECKING:
-    from tf_sparsify.pipeline import StepResult
+    from tf_sparsify.core.pipeline import StepResult
 
 
 class Collective:
@@ -32,7 +32,7 @@ class Collective:
 
     def enter(self, grads: list) -> list:
         """The step's gradients in the layout the state core was planned on (its
-        :class:`~tf_sparsify.transports.Transport`'s ``layout``): as they are by default."""
+        :class:`~tf_sparsify.core.transport.Transport`'s ``layout``): as they are by default."""
         return grads
 
     def leave(self, result: StepResult) -> StepResult:

@@ -24,12 +24,12 @@ dense residual. Here a unit of one variable whose gradient is ``IndexedSlices`` 
 Residual of untouched rows: each variable keeps one residual buffer of its full shape (so
 checkpoints hold what they held before). A step reads the residual of its touched rows only
 (a gather) and writes back only those rows (a scatter into this replica's copy,
-:func:`tf_sparsify.replica_values.write_rows`): a row's residual is what was not sent of it,
+:func:`tf_sparsify.core.replica_values.write_rows`): a row's residual is what was not sent of it,
 and the residual of a row the step does not touch waits unchanged (it is not a candidate for
 TopK's selection) until the row is touched again. Nothing decays and nothing is lost, so
 conservation holds exactly as on the dense path: the sum of the applied updates plus every
 replica's residual equals the sum of the gradients. A step that is not finite on every replica
-writes no rows (:func:`tf_sparsify.memory.store_if_finite`).
+writes no rows (:func:`tf_sparsify.compressors.error_memory.store_if_finite`).
 
 Duplicates are combined, on each replica and across replicas, before the inner optimizer sees
 them, so it gets rows of the dense gradient (of the update, for a lossy compressor) and an
@@ -69,10 +69,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify import ops, replica_values
+from tf_sparsify import ops
 from tf_sparsify.compressors.base import Compressor, decimal_ratio
 from tf_sparsify.compressors.dense import BF16, FP16, Identity, saturating_cast
-from tf_sparsify.compressors.protocol import (
+from tf_sparsify.compressors.error_memory import UnitMemory
+from tf_sparsify.compressors.rounds import (
     GATHER,
     GATHER_ROWS,
     Opening,
@@ -83,7 +84,7 @@ from tf_sparsify.compressors.protocol import (
     scaled,
 )
 from tf_sparsify.compressors.topk import TopK
-from tf_sparsify.memory import UnitMemory
+from tf_sparsify.core import replica_values
 from tf_sparsify.ops.pure_tf import magnitude_key
 from tf_sparsify.ops.xla import in_xla_context
 

@@ -22,9 +22,9 @@ import tensorflow as tf
 
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
-from tf_sparsify.pipeline import GradientPipeline
-from tf_sparsify.state import ExchangeState, StateViews
-from tf_sparsify.transports import Transport
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.state import ExchangeState, StateViews
+from tf_sparsify.core.transport import Transport
 
 #: how a cross-replica read combines each kind of state variable under a strategy
 _AGGREGATION = {
@@ -37,8 +37,8 @@ _AGGREGATION = {
 class GradientExchange(StateViews, tf.Module):
     """Compress, exchange and average one list of gradients per step.
 
-    The same :class:`~tf_sparsify.pipeline.GradientPipeline` and
-    :class:`~tf_sparsify.state.ExchangeState` as the Keras optimizer wrapper, with the state
+    The same :class:`~tf_sparsify.core.pipeline.GradientPipeline` and
+    :class:`~tf_sparsify.core.state.ExchangeState` as the Keras optimizer wrapper, with the state
     held here: residuals (error feedback), momentum buffers (``momentum_correction``), the step
     counter that keys random choices, the byte counters ``bytes_sent`` / ``dense_bytes`` and,
     with ``diagnostics_every``, the diagnostics record. An exchange serves one list of
@@ -53,7 +53,7 @@ class GradientExchange(StateViews, tf.Module):
     Args: a compressor (``None`` is ``Identity()``), the transport (``None``: tf.distribute's
     replica context, or one replica), ``diagnostics_every`` (record the norm gap, residual norm
     and density every that many steps in :attr:`diagnostics`; 0 is off) and the exchange
-    options (:class:`~tf_sparsify.options.ExchangeOptions`) as keyword arguments.
+    options (:class:`~tf_sparsify.core.options.ExchangeOptions`) as keyword arguments.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """How a front end's exchange reaches the other replicas: a ``Transport``, made once per front end.
 
-A :class:`~tf_sparsify.collectives.Collective` moves one step's tensors. A transport is what a
-front end holds for its whole life and passes to its :class:`~tf_sparsify.state.ExchangeState`:
+A :class:`~tf_sparsify.collectives.base.Collective` moves one step's tensors. A transport is what a
+front end holds for its whole life and passes to its :class:`~tf_sparsify.core.state.ExchangeState`:
 
 - it hands each step its collective (:meth:`Transport.collective`);
 - it may keep per-process state that must never be checkpointed, because it decides whether a
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify import replica_values
-from tf_sparsify.collectives import Collective, current_collective
+from tf_sparsify.collectives.base import Collective, current_collective
 from tf_sparsify.compressors.base import check_positive_int
-from tf_sparsify.pipeline import GradientPipeline, Unit
+from tf_sparsify.core import replica_values
+from tf_sparsify.core.pipeline import GradientPipeline, Unit
 
 
 class Transport:
@@ -64,7 +64,7 @@ class Transport:
         """The collective of one step that runs ``pipeline`` on ``units``; ``present`` says
         which variables have a gradient in this step (``None``: all): per variable ``False``,
         ``True``, or ``"rows"`` for an ``IndexedSlices`` gradient (which may travel as rows,
-        :mod:`tf_sparsify.sparse_rows`)."""
+        :mod:`tf_sparsify.core.sparse_rows`)."""
         del pipeline, units, present
         return current_collective()
 

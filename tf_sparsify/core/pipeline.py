@@ -3,10 +3,10 @@
 A step runs named stages on one :class:`Message` per planned unit: :meth:`~GradientPipeline.
 prepare` (densify, local clipping), :meth:`~GradientPipeline.compress` (momentum correction,
 compensation with the residual, compression), :meth:`~GradientPipeline.exchange` (through a
-:class:`~tf_sparsify.collectives.Collective`), :meth:`~GradientPipeline.decompress` (and
+:class:`~tf_sparsify.collectives.base.Collective`), :meth:`~GradientPipeline.decompress` (and
 average), then the updates, new residuals and momenta are assembled and, when asked,
 :meth:`~GradientPipeline.measure` records diagnostics. It holds no variables: the state core
-(:class:`~tf_sparsify.state.ExchangeState`) owns them and writes them back.
+(:class:`~tf_sparsify.core.state.ExchangeState`) owns them and writes them back.
 
 Buckets: units travel in buckets of about ``bucket_bytes`` of dense gradient, in backprop order
 (the last variables' gradients are ready first). A bucket's compression and exchange depend
@@ -31,8 +31,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify import memory, sparse_rows
-from tf_sparsify.collectives import Collective
+from tf_sparsify.collectives.base import Collective
+from tf_sparsify.compressors import error_memory as memory
 from tf_sparsify.compressors import topk_bucket
 from tf_sparsify.compressors.base import (
     Codec,
@@ -45,7 +45,8 @@ from tf_sparsify.compressors.base import (
     serialize,
 )
 from tf_sparsify.compressors.dense import Identity
-from tf_sparsify.compressors.protocol import (
+from tf_sparsify.compressors.error_memory import UnitMemory
+from tf_sparsify.compressors.rounds import (
     ALL_TO_ALL,
     GATHER,
     GATHER_ROWS,
@@ -56,11 +57,11 @@ from tf_sparsify.compressors.protocol import (
     SparseUpdate,
     Transfer,
 )
+from tf_sparsify.core import sparse_rows
+from tf_sparsify.core.measurements import STAT_NAMES, unit_stats
+from tf_sparsify.core.options import ExchangeOptions
 from tf_sparsify.heuristics import clipping
-from tf_sparsify.measurements import STAT_NAMES, unit_stats
-from tf_sparsify.memory import UnitMemory
 from tf_sparsify.ops.xla import in_xla_context
-from tf_sparsify.options import ExchangeOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +141,7 @@ class StepResult:
     finite: tf.Tensor
     #: new momentum buffers (aligned like ``residuals``) when momentum correction is on.
     momenta: list[tf.Tensor | None] | None = None
-    #: ``[len(units), 5]`` float64 rows of :func:`tf_sparsify.measurements.unit_stats`
+    #: ``[len(units), 5]`` float64 rows of :func:`tf_sparsify.core.measurements.unit_stats`
     #: when ``run_step(..., measure=...)`` was given (zeros on steps where it was False).
     stats: tf.Tensor | None = None
     #: ``(wire bytes, dense bytes)`` this replica sent in the step (only variables with a
@@ -155,7 +156,7 @@ class GradientPipeline:
 
     Args:
         compressor: the compressor for tensors that are compressed (see ``options``).
-        options: an :class:`~tf_sparsify.options.ExchangeOptions`, or its fields as keyword
+        options: an :class:`~tf_sparsify.core.options.ExchangeOptions`, or its fields as keyword
             arguments (``error_feedback``, ``scope``, ``min_size``, ``skip_1d``,
             ``momentum_correction``, ``local_clipnorm``, ``bucket_bytes``). They read as
             attributes of the pipeline (``pipeline.scope``), ``error_feedback`` resolved.
@@ -347,7 +348,7 @@ class GradientPipeline:
         per_replica: bool,
     ) -> frozenset[int]:
         """The variables whose ``IndexedSlices`` gradient travels as rows
-        (:func:`tf_sparsify.sparse_rows.keeps_rows`; one-variable units only; under XLA
+        (:func:`tf_sparsify.core.sparse_rows.keeps_rows`; one-variable units only; under XLA
         padded to a bound the batch gives)."""
         if not collective.gathers_rows:
             return frozenset()
@@ -372,7 +373,7 @@ class GradientPipeline:
         rows: frozenset[int] = frozenset(),
     ) -> list[tf.Tensor | None]:
         """Dense gradients, except the ``IndexedSlices`` of the variables in ``rows`` (they
-        travel as rows, :mod:`tf_sparsify.sparse_rows`; others are densified), clipped by
+        travel as rows, :mod:`tf_sparsify.core.sparse_rows`; others are densified), clipped by
         their local norm when ``local_clipnorm`` is set."""
         grads = [
             None if g is None else g if i in rows else tf.convert_to_tensor(g)
@@ -395,7 +396,8 @@ class GradientPipeline:
         sparse_update: bool = False,
     ) -> Message:
         """Momentum correction, compensation with the residual and compression of one unit
-        (the rules of :mod:`tf_sparsify.memory`); the message carries the protocol its
+        (the rules of :mod:`tf_sparsify.compressors.error_memory`); the message carries the
+        protocol its
         payloads travel by (ending in a :class:`SparseUpdate` with ``sparse_update`` when the
         unit is one variable whose compressor sends entries)."""
         g = _joined(grads, unit.indices)
@@ -423,7 +425,7 @@ class GradientPipeline:
         replicas: Replicas,
     ) -> Message:
         """The touched rows of a one-variable unit's ``IndexedSlices`` gradient, compressed with
-        their residual (:mod:`tf_sparsify.sparse_rows`)."""
+        their residual (:mod:`tf_sparsify.core.sparse_rows`)."""
         g = grads[unit.indices[0]]
         opening = sparse_rows.start(unit.compressor, g, unit.shape, before, replicas)
         return Message(
@@ -636,7 +638,7 @@ def _joined(tensors: Sequence[tf.Tensor | None] | None, indices: tuple[int, ...]
 
 def _residual(residuals: Sequence[Any], unit: Unit, rows: frozenset[int]) -> Any:
     """A unit's residual: its variable as given for a unit sent as rows (only the touched
-    rows are read, :func:`tf_sparsify.replica_values.read_rows`), else its value."""
+    rows are read, :func:`tf_sparsify.core.replica_values.read_rows`), else its value."""
     if unit.indices[0] in rows:
         return residuals[unit.indices[0]]
     return _join([tf.convert_to_tensor(residuals[i]) for i in unit.indices])

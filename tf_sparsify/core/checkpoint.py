@@ -1,6 +1,6 @@
 """The exchange state in checkpoints: every replica's rows, keyed by name, checked first.
 
-An :class:`~tf_sparsify.state.ExchangeState` (residuals, momenta, compressor state, counters,
+An :class:`~tf_sparsify.core.state.ExchangeState` (residuals, momenta, compressor state, counters,
 diagnostics) is one entry of a ``tf.train.Checkpoint``, written by an
 :class:`ExchangeCheckpoint`: a string tensor holding a manifest (the exchange configuration,
 which rows the checkpoint holds, each variable's key, kind, shape and dtype) and the serialized
@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 
-from tf_sparsify import replica_values
+from tf_sparsify.core import replica_values
 
 #: state kinds whose every replica holds its own value
 PER_REPLICA_KINDS = ("per_replica", "per_replica_mean")

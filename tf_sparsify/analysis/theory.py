@@ -5,7 +5,8 @@
   unbiased random quantizer, ``E||Q(v) - v||^2 <= beta ||v||^2``.
 - :func:`smoothness_least_squares`, :func:`smoothness_logistic`: the smoothness constant ``L`` of
   the two classic objectives on a data matrix, by power iteration.
-- the network what-if of :mod:`tf_sparsify.whatif` (alpha-beta step-time models of each exchange
+- the network what-if of :mod:`tf_sparsify.analysis.whatif` (alpha-beta step-time models of each
+exchange
   method: :func:`predict`, :func:`sweep`, :func:`crossover_workers`, ...), re-exported here.
 
 Objectives, for a data matrix ``X`` of ``n`` rows (a row per sample):
@@ -19,8 +20,7 @@ import math
 
 import numpy as np
 
-from tf_sparsify.compressors.base import Compressor, check_positive_int
-from tf_sparsify.whatif import (
+from tf_sparsify.analysis.whatif import (
     MLP10M,
     Cluster,
     DenseAllReduce,
@@ -41,6 +41,7 @@ from tf_sparsify.whatif import (
     winner,
     winner_ranges,
 )
+from tf_sparsify.compressors.base import Compressor, check_positive_int
 
 __all__ = [
     "MLP10M",

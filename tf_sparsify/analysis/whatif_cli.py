@@ -7,7 +7,7 @@
 
 ``--layers`` takes the path of a JSON file holding a list of tensor shapes (``[[784, 2048],
 [2048], ...]``) or sizes (``[1605632, 2048]``, each a vector). The model is in
-:mod:`tf_sparsify.whatif`.
+:mod:`tf_sparsify.analysis.whatif`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import re
 from collections.abc import Sequence
 
-from tf_sparsify import whatif as w
+from tf_sparsify.analysis import whatif as w
 from tf_sparsify.compressors.qsgd import MAX_LEVELS as MAX_QSGD_LEVELS
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}

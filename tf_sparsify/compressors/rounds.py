@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify.memory import UnitMemory
+from tf_sparsify.compressors.error_memory import UnitMemory
 
 #: the collective kinds a transfer can ask for
 SUM, GATHER, ALL_TO_ALL = "sum", "gather", "all_to_all"

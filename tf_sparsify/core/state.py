@@ -4,9 +4,10 @@ Every front end (the Keras wrapper, Horovod's ``DistributedOptimizer`` and
 ``GradientExchange``, ``ServerOptimizer``) keeps the same state: error-feedback residuals, DGC
 momentum buffers, the step counter that keys random choices, byte counters and the diagnostics
 record. This class holds those variables and writes each step's result back by the rules of
-:mod:`tf_sparsify.memory` (residuals and momenta only when the step was finite on every
+:mod:`tf_sparsify.compressors.error_memory` (residuals and momenta only when the step was finite on
+every
 replica); the counters advance by what was actually sent. Front ends say only how a variable is made
-(``make_variable``) and how payloads travel (a :class:`~tf_sparsify.transports.Transport`).
+(``make_variable``) and how payloads travel (a :class:`~tf_sparsify.core.transport.Transport`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from tf_sparsify import memory, replica_values
-from tf_sparsify.checkpointing import Entry, ExchangeCheckpoint
-from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
+from tf_sparsify.collectives.base import Collective, SimulatedWorkerCollective
+from tf_sparsify.compressors import error_memory as memory
 from tf_sparsify.compressors.base import MultiRoundExchange
-from tf_sparsify.measurements import STAT_NAMES
-from tf_sparsify.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
-from tf_sparsify.transports import Transport
+from tf_sparsify.core import replica_values
+from tf_sparsify.core.checkpoint import Entry, ExchangeCheckpoint
+from tf_sparsify.core.measurements import STAT_NAMES
+from tf_sparsify.core.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
+from tf_sparsify.core.transport import Transport
 
 
 class ExchangeState:
@@ -38,7 +40,7 @@ class ExchangeState:
         step: a counter variable to use as the step (the Keras optimizer's own iterations);
             ``None`` makes one named ``"step"`` when built.
         also_saved: the front end's own variables to save in the state's checkpoint entry,
-            as :class:`~tf_sparsify.checkpointing.Entry` records (a Keras optimizer's, so a
+            as :class:`~tf_sparsify.core.checkpoint.Entry` records (a Keras optimizer's, so a
             restore is atomic).
     """
 
@@ -97,7 +99,8 @@ class ExchangeState:
 
     @property
     def gives_sparse_updates(self) -> bool:
-        """Whether :meth:`run` can return :class:`~tf_sparsify.pipeline.SparseUpdate` updates."""
+        """Whether :meth:`run` can return :class:`~tf_sparsify.core.pipeline.SparseUpdate`
+        updates."""
         return not self.transport.mean_only
 
     def collective(self, grads: Sequence | None = None) -> Collective:
@@ -313,12 +316,12 @@ class StateViews:
     @property
     def exchange_checkpoint(self) -> ExchangeCheckpoint:
         """The checkpoint entry of the exchange state (every replica's rows, checked before
-        a restore assigns anything; see :mod:`tf_sparsify.checkpointing`)."""
+        a restore assigns anything; see :mod:`tf_sparsify.core.checkpoint`)."""
         return self._state.checkpoint
 
     @property
     def units(self) -> list[Unit]:
-        """The planned messages (:class:`~tf_sparsify.pipeline.Unit`) of one step."""
+        """The planned messages (:class:`~tf_sparsify.core.pipeline.Unit`) of one step."""
         return list(self._state.units)
 
     @property
@@ -358,7 +361,7 @@ class StateViews:
     @property
     def diagnostics(self):
         """The ``[units, 5]`` diagnostics record (``None`` until enabled and built); rows follow
-        :attr:`diagnostics_names`, columns :data:`~tf_sparsify.measurements.STAT_NAMES`."""
+        :attr:`diagnostics_names`, columns :data:`~tf_sparsify.core.measurements.STAT_NAMES`."""
         return self._state.diagnostics
 
     @property
