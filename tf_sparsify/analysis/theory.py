@@ -41,7 +41,8 @@ from tf_sparsify.analysis.whatif import (
     winner,
     winner_ranges,
 )
-from tf_sparsify.compressors.base import Compressor, check_positive_int
+from tf_sparsify.common.checks import check_int
+from tf_sparsify.compressors.base import Compressor
 
 __all__ = [
     "MLP10M",
@@ -81,7 +82,7 @@ def max_step_size(L: float, tau: int) -> float:
     """
     if isinstance(L, bool) or not isinstance(L, int | float) or not math.isfinite(L) or L <= 0:
         raise ValueError(f"`L` must be a finite number > 0; received L={L!r}")
-    tau = check_positive_int("tau", tau, minimum=0)
+    tau = check_int("tau", tau, minimum=0)
     return 2.0 / (L * (1.0 + math.sqrt(1.0 + 8.0 * tau * (tau + 1))))
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparsify import ops
+from tf_sparsify.common.checks import check_float_dtype, is_number
 from tf_sparsify.compressors import error_memory as memory
 from tf_sparsify.compressors import rounds as protocol
 
@@ -21,8 +22,6 @@ if TYPE_CHECKING:
     from tf_sparsify.compressors.error_memory import UnitMemory
     from tf_sparsify.compressors.rounds import Opening, Protocol, Replicas
 
-FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-MAX_SEED = 2**63 - 1  # seeds travel as int64
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 
@@ -245,7 +244,7 @@ class Codec(Compressor):
     ) -> tuple[tf.Tensor, Context]:
         """Check ``tensor`` and build its context; ``step=None`` takes the next unkeyed step."""
         tensor = tf.convert_to_tensor(tensor)
-        check_float("tensor", tensor.dtype)
+        check_float_dtype("tensor", tensor.dtype)
         if self.needs_static_shape and not tensor.shape.is_fully_defined():
             raise ValueError(
                 f"{type(self).__name__} needs a tensor of fully defined static shape (its size "
@@ -364,25 +363,10 @@ def deserialize(config: dict[str, Any] | Compressor) -> Compressor:
     return _REGISTRY[name].from_config(config.get("config", {}))
 
 
-def check_float(name: str, dtype: tf.DType) -> None:
-    """ValueError unless ``dtype`` is a floating type we compress."""
-    if tf.as_dtype(dtype) not in FLOAT_DTYPES:
-        raise ValueError(
-            f"`{name}` must be a floating-point tensor (float16, bfloat16, float32, float64); "
-            f"received dtype={tf.as_dtype(dtype).name}"
-        )
-
-
-def _is_number(value: Any, kind: type) -> bool:
-    """A Python or NumPy number of ``kind`` (``numbers.Real`` or ``numbers.Integral``), not a
-    bool."""
-    return isinstance(value, kind) and not isinstance(value, bool | np.bool_)
-
-
 def check_ratio(ratio: Any) -> float:
     """A density in (0, 1], returned as the Python float of its decimal value (see
     :func:`decimal_ratio`): ``np.float32(0.1)`` becomes ``0.1``, not ``0.10000000149011612``."""
-    if not _is_number(ratio, numbers.Real) or not 0 < ratio <= 1:
+    if not is_number(ratio, numbers.Real) or not 0 < ratio <= 1:
         raise ValueError(f"`ratio` must be a number in (0, 1]; received ratio={ratio!r}")
     return float(decimal_ratio(ratio))
 
@@ -403,23 +387,6 @@ def decimal_ratio(ratio: Any) -> fractions.Fraction:
     else:  # Python and NumPy doubles (wider NumPy floats are rounded to a double first)
         text = repr(float(ratio))
     return fractions.Fraction(text)
-
-
-def check_positive_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
-    """An integer in ``[minimum, maximum]`` (Python or NumPy), returned as a Python int."""
-    if (
-        not _is_number(value, numbers.Integral)
-        or value < minimum
-        or (maximum is not None and value > maximum)
-    ):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"`{name}` must be an integer {bound}; received {name}={value!r}")
-    return int(value)
-
-
-def check_seed(seed: Any) -> int:
-    """A non-negative integer seed that fits int64."""
-    return check_positive_int("seed", seed, minimum=0, maximum=MAX_SEED)
 
 
 def check_contraction(compressor: Compressor, num_elements: int) -> float | None:
@@ -468,7 +435,3 @@ def ones_at(indices: tf.Tensor, ctx: Context) -> tf.Tensor:
     flat = tf.reshape(indices, [-1])
     ones = tf.ones_like(flat, dtype=ctx.dtype)
     return tf.reshape(ops.scatter_sum(ones, flat, ctx.num_elements), ctx.shape)
-
-
-def dtype_bytes(dtype: tf.DType) -> int:
-    return tf.as_dtype(dtype).size

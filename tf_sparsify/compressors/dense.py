@@ -5,7 +5,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_sparsify import ops
-from tf_sparsify.compressors.base import Codec, Context, Payload, dtype_bytes
+from tf_sparsify.common.dtypes import dtype_bytes
+from tf_sparsify.compressors.base import Codec, Context, Payload
 from tf_sparsify.ops.pure_tf import saturating_cast
 
 __all__ = ["BF16", "FP16", "Identity", "saturating_cast"]

@@ -10,14 +10,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify.compressors.base import (
-    Context,
-    MultiRoundExchange,
-    check_positive_int,
-    check_seed,
-    dtype_bytes,
-    rng_seed,
-)
+from tf_sparsify.common.checks import check_int, check_seed
+from tf_sparsify.common.dtypes import dtype_bytes
+from tf_sparsify.compressors.base import Context, MultiRoundExchange, rng_seed
 from tf_sparsify.compressors.error_memory import mark_non_finite
 from tf_sparsify.compressors.rounds import SUM, Outcome, Protocol, Replicas, Transfer, scaled
 from tf_sparsify.ops import xla
@@ -78,7 +73,7 @@ class PowerSGD(MultiRoundExchange):
     reveals_non_finite = True
 
     def __init__(self, rank: int, seed: int = 0):
-        self.rank = check_positive_int("rank", rank)
+        self.rank = check_int("rank", rank)
         self.seed = check_seed(seed)
 
     # -- what is sent -------------------------------------------------------------------------

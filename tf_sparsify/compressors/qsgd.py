@@ -8,12 +8,11 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify import ops
+from tf_sparsify.common.checks import check_int, check_seed
 from tf_sparsify.compressors.base import (
     Codec,
     Context,
     Payload,
-    check_positive_int,
-    check_seed,
     rng_seed,
 )
 from tf_sparsify.ops.pure_tf import level_dtype
@@ -37,10 +36,8 @@ class QSGD(Codec):
     reveals_non_finite = True  # a bucket's norm is NaN or Inf
 
     def __init__(self, levels: int, bucket_size: int | None = None, seed: int = 0):
-        self.levels = check_positive_int("levels", levels, maximum=MAX_LEVELS)
-        self.bucket_size = (
-            None if bucket_size is None else check_positive_int("bucket_size", bucket_size)
-        )
+        self.levels = check_int("levels", levels, maximum=MAX_LEVELS)
+        self.bucket_size = None if bucket_size is None else check_int("bucket_size", bucket_size)
         self.seed = check_seed(seed)
 
     def _bucket(self, num_elements: int) -> int:

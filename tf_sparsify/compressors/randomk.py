@@ -7,13 +7,13 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify import ops
+from tf_sparsify.common.checks import check_seed
+from tf_sparsify.common.dtypes import dtype_bytes
 from tf_sparsify.compressors.base import (
     Codec,
     Context,
     Payload,
     check_ratio,
-    check_seed,
-    dtype_bytes,
     k_for,
     ones_at,
     rng_seed,

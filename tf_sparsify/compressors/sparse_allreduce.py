@@ -10,12 +10,12 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify import ops
+from tf_sparsify.common.checks import check_int
+from tf_sparsify.common.dtypes import dtype_bytes
 from tf_sparsify.compressors.base import (
     Context,
     MultiRoundExchange,
-    check_positive_int,
     check_ratio,
-    dtype_bytes,
     k_for,
 )
 from tf_sparsify.compressors.rounds import (
@@ -92,7 +92,7 @@ class SparseAllReduce(MultiRoundExchange):
                 f"received ratio={ratio!r}, k={k!r}"
             )
         self.ratio = None if ratio is None else check_ratio(ratio)
-        self.k = None if k is None else check_positive_int("k", k)
+        self.k = None if k is None else check_int("k", k)
 
     def num_selected(self, num_elements: int) -> int:
         """Entries each replica selects and sends in the all-to-all."""

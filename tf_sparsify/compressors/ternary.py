@@ -6,12 +6,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_sparsify.common.checks import check_seed
 from tf_sparsify.compressors import bits
 from tf_sparsify.compressors.base import (
     Codec,
     Context,
     Payload,
-    check_seed,
     rng_seed,
 )
 from tf_sparsify.ops import xla

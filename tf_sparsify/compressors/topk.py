@@ -8,11 +8,11 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparsify import ops
+from tf_sparsify.common.checks import check_int
 from tf_sparsify.compressors.base import (
     Codec,
     Context,
     Payload,
-    check_positive_int,
     check_ratio,
     k_for,
     ones_at,
@@ -62,7 +62,7 @@ class TopK(Codec):
                 f"TopK needs exactly one of `ratio` or `k`; received ratio={ratio!r}, k={k!r}"
             )
         self.ratio = None if ratio is None else check_ratio(ratio)
-        self.k = None if k is None else check_positive_int("k", k)
+        self.k = None if k is None else check_int("k", k)
         self.value_dtype = _check_value_dtype(value_dtype)
 
     def num_selected(self, num_elements: int) -> int:

@@ -8,10 +8,10 @@ reads them from here, and configs are written from here. A new option is one fie
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from tf_sparsify.compressors.base import Compressor, MultiRoundExchange, check_positive_int
+from tf_sparsify.common.checks import check_int, check_number
+from tf_sparsify.compressors.base import Compressor, MultiRoundExchange
 from tf_sparsify.heuristics import clipping
 
 SCOPES = ("layer", "global")
@@ -60,9 +60,7 @@ class ExchangeOptions:
             )
         if self.scope not in SCOPES:
             raise ValueError(f"`scope` must be one of {SCOPES}; received scope={self.scope!r}")
-        size = self.min_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"`min_size` must be an integer >= 0; received min_size={size!r}")
+        self._set("min_size", check_int("min_size", self.min_size, minimum=0))
         if not isinstance(self.skip_1d, bool):
             raise ValueError(f"`skip_1d` must be True or False; received skip_1d={self.skip_1d!r}")
         self._set("momentum_correction", _check_momentum(self.momentum_correction))
@@ -70,7 +68,7 @@ class ExchangeOptions:
         bucket = self.bucket_bytes
         self._set(
             "bucket_bytes",
-            DEFAULT_BUCKET_BYTES if bucket is None else check_positive_int("bucket_bytes", bucket),
+            DEFAULT_BUCKET_BYTES if bucket is None else check_int("bucket_bytes", bucket),
         )
 
     def _set(self, name: str, value: Any) -> None:
@@ -107,17 +105,7 @@ class ExchangeOptions:
 
 def _check_momentum(factor: Any) -> float:
     """A momentum factor in ``[0, 1)``; 0 means off."""
-    if (
-        isinstance(factor, bool)
-        or not isinstance(factor, int | float)
-        or not math.isfinite(factor)
-        or not 0 <= factor < 1
-    ):
-        raise ValueError(
-            "`momentum_correction` must be a number in [0, 1); "
-            f"received momentum_correction={factor!r}"
-        )
-    return float(factor)
+    return check_number("momentum_correction", factor, 0, 1, high_open=True)
 
 
 def _check_compressor(compressor: Compressor, options: ExchangeOptions) -> None:

@@ -32,6 +32,8 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify.collectives.base import Collective
+from tf_sparsify.common.checks import check_float_dtype
+from tf_sparsify.common.dtypes import dtype_bytes
 from tf_sparsify.compressors import error_memory as memory
 from tf_sparsify.compressors import topk_bucket
 from tf_sparsify.compressors.base import (
@@ -40,8 +42,6 @@ from tf_sparsify.compressors.base import (
     Context,
     Payload,
     check_contraction,
-    check_float,
-    dtype_bytes,
     serialize,
 )
 from tf_sparsify.compressors.dense import Identity
@@ -201,7 +201,7 @@ class GradientPipeline:
         """
         compressed, dense = [], []
         for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
-            check_float("gradient", dtype)
+            check_float_dtype("gradient", dtype)
             shape = tf.TensorShape(shape)
             if not shape.is_fully_defined():
                 raise ValueError(f"Gradient shapes must be fully defined; received shape={shape}")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tf_sparsify.collectives.base import Collective, SimulatedWorkerCollective
+from tf_sparsify.common.checks import check_int
 from tf_sparsify.compressors import error_memory as memory
 from tf_sparsify.compressors.base import MultiRoundExchange
 from tf_sparsify.core import replica_values
@@ -164,11 +165,7 @@ class ExchangeState:
     def enable_diagnostics(self, every: int) -> None:
         """Record the diagnostics every ``every`` steps (0: off); makes their variables when
         built (call it under the strategy scope the state was built in)."""
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(
-                f"`diagnostics_every` must be an integer >= 0; received diagnostics_every={every!r}"
-            )
-        self.diagnostics_every = every
+        self.diagnostics_every = check_int("diagnostics_every", every, minimum=0)
         if every and self.built:
             self._build_diagnostics()
 

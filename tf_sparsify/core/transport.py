@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparsify.collectives.base import Collective, current_collective
-from tf_sparsify.compressors.base import check_positive_int
+from tf_sparsify.common.checks import check_int
 from tf_sparsify.core import replica_values
 from tf_sparsify.core.pipeline import GradientPipeline, Unit
 
@@ -95,4 +95,4 @@ class SimulatedWorkersTransport(Transport):
     :class:`~tf_sparsify.distribute.ServerOptimizer` with ``workers``)."""
 
     def __init__(self, count: int):
-        self.simulated_workers = check_positive_int("workers", count)
+        self.simulated_workers = check_int("workers", count)

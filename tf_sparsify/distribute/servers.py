@@ -23,7 +23,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify.compressors.base import check_positive_int, check_seed, rng_seed
+from tf_sparsify.common.checks import check_int, check_seed
+from tf_sparsify.compressors.base import rng_seed
 
 DELAY_MODELS = ("fixed", "random", "per_replica")
 #: the ``tensor_id`` of the servers' RNG stream: no tensor has it, so a server never draws the
@@ -90,10 +91,10 @@ class DelayedGradients(Server):
                     f"model='per_replica'; received delay={delay!r}"
                 )
             self.delay: int | tuple[int, ...] = tuple(
-                check_positive_int("delay", d, minimum=0) for d in delay
+                check_int("delay", d, minimum=0) for d in delay
             )
         else:
-            self.delay = check_positive_int("delay", delay, minimum=0)
+            self.delay = check_int("delay", delay, minimum=0)
         self.model = model
         self.seed = check_seed(seed)
 
@@ -168,10 +169,7 @@ class IAG(Server):
             raise ValueError(
                 f"`refresh` must be one of {REFRESH_RULES}; received refresh={refresh!r}"
             )
-        if isinstance(num_refresh, bool) or not isinstance(num_refresh, int) or num_refresh < 1:
-            raise ValueError(
-                f"`num_refresh` must be an integer >= 1; received num_refresh={num_refresh!r}"
-            )
+        num_refresh = check_int("num_refresh", num_refresh)
         self.refresh = refresh
         self.num_refresh = num_refresh
         self.seed = check_seed(seed)

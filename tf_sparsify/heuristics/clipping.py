@@ -19,20 +19,14 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from tf_sparsify.common.checks import check_number
+
 
 def check_clipnorm(clipnorm) -> float | None:
     """``None`` (off) or a positive finite number."""
     if clipnorm is None:
         return None
-    if (
-        isinstance(clipnorm, bool)
-        or not isinstance(clipnorm, int | float)
-        or not math.isfinite(clipnorm)
-        or clipnorm <= 0
-    ):
-        raise ValueError(
-            f"`local_clipnorm` must be None or a number > 0; received local_clipnorm={clipnorm!r}"
-        )
+    check_number("local_clipnorm", clipnorm, 0, low_open=True)
     return float(clipnorm)
 
 

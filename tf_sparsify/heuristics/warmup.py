@@ -8,9 +8,9 @@ retracing the step (see :class:`tf_sparsify.keras.DensityWarmup`); wire-byte cou
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from tf_sparsify.common.checks import check_int, check_number
 from tf_sparsify.compressors.base import Compressor, check_ratio
 
 
@@ -28,8 +28,7 @@ class DensitySchedule:
         self.values = tuple(max(check_ratio(v), self.target) for v in values)
 
     def __call__(self, epoch: int) -> float:
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"`epoch` must be an integer >= 0; received epoch={epoch!r}")
+        check_int("epoch", epoch, minimum=0)
         return self.values[epoch] if epoch < len(self.values) else self.target
 
     @property
@@ -57,18 +56,9 @@ def dgc_density_schedule(
 
     The defaults give 0.25, 0.0625, 0.015625, 0.00390625, then ``target``.
     """
-    if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
-        raise ValueError(
-            f"`warmup_epochs` must be an integer >= 0; received warmup_epochs={warmup_epochs!r}"
-        )
+    check_int("warmup_epochs", warmup_epochs, minimum=0)
     start = check_ratio(start)
-    if (
-        isinstance(factor, bool)
-        or not isinstance(factor, int | float)
-        or not math.isfinite(factor)
-        or not 0 < factor <= 1
-    ):
-        raise ValueError(f"`factor` must be a number in (0, 1]; received factor={factor!r}")
+    check_number("factor", factor, 0, 1, low_open=True)
     return DensitySchedule(target, [start * factor**e for e in range(warmup_epochs)])
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify.collectives.base import Collective, SimulatedWorkerCollective
-from tf_sparsify.compressors.base import check_positive_int
+from tf_sparsify.common.checks import check_int
 from tf_sparsify.compressors.error_memory import mark_non_finite
 from tf_sparsify.core.pipeline import GradientPipeline, StepResult, Unit
 from tf_sparsify.horovod._hvd import hvd
@@ -106,7 +106,7 @@ def init(ranks_per_node: int | None = None) -> Topology:
 def check_ranks_per_node(ranks_per_node: Any, size: int) -> int:
     """``ranks_per_node`` as an int; ValueError naming it unless it is >= 1 and divides
     ``size`` (the number of ranks)."""
-    check_positive_int("ranks_per_node", ranks_per_node)
+    check_int("ranks_per_node", ranks_per_node)
     if size % ranks_per_node:
         raise ValueError(
             f"`ranks_per_node` must divide the number of ranks ({size}); "

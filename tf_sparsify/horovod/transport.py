@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparsify.collectives.base import Collective
-from tf_sparsify.compressors.base import check_positive_int
+from tf_sparsify.common.checks import check_int
 from tf_sparsify.core.pipeline import GradientPipeline, Unit
 from tf_sparsify.core.transport import Transport
 from tf_sparsify.horovod import hierarchy
@@ -45,7 +45,7 @@ class HorovodTransport(Transport):
 
     def __init__(self, ranks_per_node: int | None = None):
         self.ranks_per_node = (
-            None if ranks_per_node is None else check_positive_int("ranks_per_node", ranks_per_node)
+            None if ranks_per_node is None else check_int("ranks_per_node", ranks_per_node)
         )
         self.mean_only = ranks_per_node is not None
         self.checked: tf.Variable | None = None

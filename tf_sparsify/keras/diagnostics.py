@@ -33,6 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sparsify.common.checks import check_int
 from tf_sparsify.core.measurements import summarize
 from tf_sparsify.keras.optimizer import find_sparsified
 from tf_sparsify.keras.summaries import write_scalar
@@ -58,11 +59,7 @@ class CompressionDiagnostics(keras.callbacks.Callback):
         self, every_n_steps: int = 50, log_dir: str | None = None, per_layer: bool = False
     ):
         super().__init__()
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
-            raise ValueError(f"`every_n_steps` must be an integer >= 1; received {every_n_steps!r}")
-        if every_n_steps < 1:
-            raise ValueError(f"`every_n_steps` must be an integer >= 1; received {every_n_steps!r}")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = check_int("every_n_steps", every_n_steps)
         self.per_layer = bool(per_layer)
         self.log_dir = log_dir
         self._writer = None

@@ -1,0 +1,1 @@
+"""What every layer shares and nothing else: argument checks and the dtype lists."""
