@@ -323,7 +323,7 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match="per_replica"):
         opt.apply([tf.ones((12, 5))], [v])
     # a multi-round exchange, not a codec: it has no compress() to call alone
-    assert isinstance(tfs.PowerSGD(1), tfs.compressors.MultiRoundExchange)
+    assert isinstance(tfs.PowerSGD(1), tfs.compressors.MultiRoundMethod)
     assert not hasattr(tfs.PowerSGD(1), "compress")
 
 

@@ -118,7 +118,7 @@ def test_per_replica_updates_and_compress_are_refused():
     with pytest.raises(ValueError, match="per_replica"):
         opt.apply([tf.ones((6, 5))], [keras.Variable(tf.zeros((6, 5)))])
     # a multi-round exchange, not a codec: it has no compress() to call alone
-    assert isinstance(tfs.SparseAllReduce(k=2), tfs.compressors.MultiRoundExchange)
+    assert isinstance(tfs.SparseAllReduce(k=2), tfs.compressors.MultiRoundMethod)
     assert not hasattr(tfs.SparseAllReduce(k=2), "compress")
 
 

@@ -65,3 +65,22 @@ def install() -> None:
     """Let the old paths import (once per process)."""
     if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
         sys.meta_path.append(_MovedModules())
+
+
+def renamed(namespace: dict, old_names: dict[str, str]):
+    """A module ``__getattr__`` that gives ``namespace[new]`` for each ``old -> new`` name
+    and warns once with a ``DeprecationWarning`` naming both (old names kept one release)."""
+
+    def __getattr__(name: str):
+        if name not in old_names:
+            raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+        new = old_names[name]
+        warnings.warn(
+            f"`{namespace['__name__']}.{name}` is now `{new}`; the old name will be removed in "
+            "tf_sparsify 0.3.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return namespace[new]
+
+    return __getattr__

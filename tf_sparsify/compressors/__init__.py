@@ -1,11 +1,12 @@
 """Ways to send a gradient: single-round codecs (``compress(tensor) -> (payload, ctx)``,
 ``decompress(payload, ctx)``) and multi-round exchanges (PowerSGD, SparseAllReduce)."""
 
+from tf_sparsify.compat import renamed
 from tf_sparsify.compressors.base import (
     Codec,
     Compressor,
     Context,
-    MultiRoundExchange,
+    MultiRoundMethod,
     deserialize,
     serialize,
 )
@@ -25,7 +26,7 @@ __all__ = [
     "Compressor",
     "Context",
     "Identity",
-    "MultiRoundExchange",
+    "MultiRoundMethod",
     "PowerSGD",
     "RandomK",
     "ScaledSign",
@@ -35,3 +36,5 @@ __all__ = [
     "deserialize",
     "serialize",
 ]
+
+__getattr__ = renamed(globals(), {"MultiRoundExchange": "MultiRoundMethod"})

@@ -54,7 +54,7 @@ class Compressor(abc.ABC):
     Two kinds implement it. A :class:`Codec` is a single-round compressor (TopK, QSGD,
     TernGrad, RandomK, ScaledSign, the casts, Identity): ``compress(tensor) -> (payload,
     ctx)``, ``decompress(payload, ctx)``, and the pipeline moves its payload in one round (by
-    all-reduce when ``summable``, else by all-gather). A :class:`MultiRoundExchange` runs its
+    all-reduce when ``summable``, else by all-gather). A :class:`MultiRoundMethod` runs its
     own protocol of several rounds or other collectives (PowerSGD, SparseAllReduce). Either
     way the pipeline asks it to :meth:`start` a unit's exchange and drives the protocol it
     returns (:mod:`tf_sparsify.compressors.rounds`). Subclasses set the flags below.
@@ -305,7 +305,7 @@ class Codec(Compressor):
         return protocol.Opening(rounds, ctx, payload, after)
 
 
-class MultiRoundExchange(Compressor):
+class MultiRoundMethod(Compressor):
     """A method that runs its own exchange: several rounds or other collectives (PowerSGD's
     two all-reduces, the sparse all-reduce's all-to-all and all-gather). Subclasses implement
     :meth:`rounds`; compression happens inside it, and so does its error feedback (the

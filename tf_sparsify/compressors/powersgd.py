@@ -12,13 +12,13 @@ import tensorflow as tf
 
 from tf_sparsify.common.checks import check_int, check_seed
 from tf_sparsify.common.dtypes import dtype_bytes
-from tf_sparsify.compressors.base import Context, MultiRoundExchange, rng_seed
+from tf_sparsify.compressors.base import Context, MultiRoundMethod, rng_seed
 from tf_sparsify.compressors.error_memory import mark_non_finite
 from tf_sparsify.compressors.rounds import SUM, Outcome, Protocol, Replicas, Transfer, scaled
 from tf_sparsify.ops import xla
 
 
-class PowerSGD(MultiRoundExchange):
+class PowerSGD(MultiRoundMethod):
     """Rank-``rank`` PowerSGD with warm start and error feedback.
 
     A tensor of shape ``[..., c]`` is the matrix ``M`` of shape ``[n, m] = [prod(shape[:-1]),

@@ -14,7 +14,7 @@ from tf_sparsify.common.checks import check_int
 from tf_sparsify.common.dtypes import dtype_bytes
 from tf_sparsify.compressors.base import (
     Context,
-    MultiRoundExchange,
+    MultiRoundMethod,
     check_ratio,
     k_for,
 )
@@ -30,7 +30,7 @@ from tf_sparsify.compressors.rounds import (
 from tf_sparsify.ops.pure_tf import index_dtype
 
 
-class SparseAllReduce(MultiRoundExchange):
+class SparseAllReduce(MultiRoundMethod):
     """TopK whose entries are summed by their owners instead of gathered by everyone.
 
     Give exactly one of ``ratio`` (k = max(1, ceil(ratio * n)), exact in the ratio's decimal

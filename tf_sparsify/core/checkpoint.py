@@ -1,8 +1,9 @@
 """The exchange state in checkpoints: every replica's rows, keyed by name, checked first.
 
-An :class:`~tf_sparsify.core.state.ExchangeState` (residuals, momenta, compressor state, counters,
+A :class:`~tf_sparsify.core.state.CompressionState` (residuals, momenta, compressor state,
+counters,
 diagnostics) is one entry of a ``tf.train.Checkpoint``, written by an
-:class:`ExchangeCheckpoint`: a string tensor holding a manifest (the exchange configuration,
+:class:`StateCheckpoint`: a string tensor holding a manifest (the exchange configuration,
 which rows the checkpoint holds, each variable's key, kind, shape and dtype) and the serialized
 values. One entry, because a restore must be all or nothing: the manifest is compared with this
 process's state before any value is assigned, and a different configuration or different
@@ -52,7 +53,7 @@ class Entry(NamedTuple):
     about: str = ""
 
 
-class ExchangeCheckpoint(trackable.Trackable):
+class StateCheckpoint(trackable.Trackable):
     """The checkpoint entry of one exchange state.
 
     Args:
@@ -320,11 +321,11 @@ class ExchangeCheckpoint(trackable.Trackable):
 
 
 class _Manifest(tf.train.experimental.PythonState):
-    """The manifest of an :class:`ExchangeCheckpoint` as a Python state of its own: TF
+    """The manifest of an :class:`StateCheckpoint` as a Python state of its own: TF
     deserializes Python states before it assigns any tensor of the checkpoint, so a restore
     that does not fit fails before the model, the inner optimizer or the wrapper changes."""
 
-    def __init__(self, owner: ExchangeCheckpoint):
+    def __init__(self, owner: StateCheckpoint):
         self._owner = owner
 
     def serialize(self) -> str:

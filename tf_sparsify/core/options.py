@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from tf_sparsify.common.checks import check_int, check_number
-from tf_sparsify.compressors.base import Compressor, MultiRoundExchange
+from tf_sparsify.compressors.base import Compressor, MultiRoundMethod
 from tf_sparsify.heuristics import clipping
 
 SCOPES = ("layer", "global")
@@ -117,7 +117,7 @@ def _check_compressor(compressor: Compressor, options: ExchangeOptions) -> None:
             f"`scope='global'` joins the gradients into one flat vector, but {compressor!r} "
             "compresses each tensor by its shape: use scope='layer'."
         )
-    if options.momentum_correction > 0 and isinstance(compressor, MultiRoundExchange):
+    if options.momentum_correction > 0 and isinstance(compressor, MultiRoundMethod):
         raise ValueError(
             f"`momentum_correction` masks the momentum where a payload sent entries; "
             f"{compressor!r} runs its own exchange, which sends no such entries and keeps no "

@@ -6,7 +6,7 @@ compensation with the residual, compression), :meth:`~GradientPipeline.exchange`
 :class:`~tf_sparsify.collectives.base.Collective`), :meth:`~GradientPipeline.decompress` (and
 average), then the updates, new residuals and momenta are assembled and, when asked,
 :meth:`~GradientPipeline.measure` records diagnostics. It holds no variables: the state core
-(:class:`~tf_sparsify.core.state.ExchangeState`) owns them and writes them back.
+(:class:`~tf_sparsify.core.state.CompressionState`) owns them and writes them back.
 
 Buckets: units travel in buckets of about ``bucket_bytes`` of dense gradient, in backprop order
 (the last variables' gradients are ready first). A bucket's compression and exchange depend

@@ -1,4 +1,4 @@
-"""``ExchangeState``: the per-replica state of a gradient exchange, and its one update rule.
+"""``CompressionState``: the per-replica state of a gradient exchange, and its one update rule.
 
 Every front end (the Keras wrapper, Horovod's ``DistributedOptimizer`` and
 ``GradientExchange``, ``ServerOptimizer``) keeps the same state: error-feedback residuals, DGC
@@ -21,15 +21,15 @@ import tensorflow as tf
 from tf_sparsify.collectives.base import Collective, SimulatedWorkerCollective
 from tf_sparsify.common.checks import check_int
 from tf_sparsify.compressors import error_memory as memory
-from tf_sparsify.compressors.base import MultiRoundExchange
+from tf_sparsify.compressors.base import MultiRoundMethod
 from tf_sparsify.core import replica_values
-from tf_sparsify.core.checkpoint import Entry, ExchangeCheckpoint
+from tf_sparsify.core.checkpoint import Entry, StateCheckpoint
 from tf_sparsify.core.measurements import STAT_NAMES
 from tf_sparsify.core.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
 from tf_sparsify.core.transport import Transport
 
 
-class ExchangeState:
+class CompressionState:
     """Residuals, momenta, step, byte counters and diagnostics of one list of variables.
 
     Args:
@@ -72,7 +72,7 @@ class ExchangeState:
         self.saved: list[Entry] = []
         self._also_saved = also_saved or (lambda: [])
         #: the checkpoint entry of this state (front ends track it)
-        self.checkpoint = ExchangeCheckpoint(
+        self.checkpoint = StateCheckpoint(
             entries=lambda: self._also_saved() + self.saved,
             config=self._config,
             rows=self.transport.checkpoint_rows,
@@ -250,7 +250,7 @@ class ExchangeState:
 
     def _run_workers(self, grads: list, record) -> StepResult:
         """The pipeline once per simulated worker, each with its row of the buffers."""
-        if any(isinstance(u.compressor, MultiRoundExchange) for u in self.units):
+        if any(isinstance(u.compressor, MultiRoundMethod) for u in self.units):
             raise ValueError(
                 f"compressor={self.pipeline.compressor!r} runs its own exchange, which simulated "
                 "workers cannot split per worker."
@@ -305,13 +305,13 @@ class ExchangeState:
 
 
 class StateViews:
-    """Read-only views of an ``ExchangeState`` held as ``self._state``, shared by the front
+    """Read-only views of an ``CompressionState`` held as ``self._state``, shared by the front
     ends (the Keras optimizers and Horovod's ``GradientExchange``)."""
 
-    _state: ExchangeState
+    _state: CompressionState
 
     @property
-    def exchange_checkpoint(self) -> ExchangeCheckpoint:
+    def exchange_checkpoint(self) -> StateCheckpoint:
         """The checkpoint entry of the exchange state (every replica's rows, checked before
         a restore assigns anything; see :mod:`tf_sparsify.core.checkpoint`)."""
         return self._state.checkpoint

@@ -1,7 +1,8 @@
 """How a front end's exchange reaches the other replicas: a ``Transport``, made once per front end.
 
 A :class:`~tf_sparsify.collectives.base.Collective` moves one step's tensors. A transport is what a
-front end holds for its whole life and passes to its :class:`~tf_sparsify.core.state.ExchangeState`:
+front end holds for its whole life and passes to its
+:class:`~tf_sparsify.core.state.CompressionState`:
 
 - it hands each step its collective (:meth:`Transport.collective`);
 - it may keep per-process state that must never be checkpointed, because it decides whether a

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.core.pipeline import GradientPipeline
-from tf_sparsify.core.state import ExchangeState, StateViews
+from tf_sparsify.core.state import CompressionState, StateViews
 from tf_sparsify.core.transport import Transport
 
 #: how a cross-replica read combines each kind of state variable under a strategy
@@ -38,7 +38,7 @@ class GradientExchange(StateViews, tf.Module):
     """Compress, exchange and average one list of gradients per step.
 
     The same :class:`~tf_sparsify.core.pipeline.GradientPipeline` and
-    :class:`~tf_sparsify.core.state.ExchangeState` as the Keras optimizer wrapper, with the state
+    :class:`~tf_sparsify.core.state.CompressionState` as the Keras optimizer wrapper, with the state
     held here: residuals (error feedback), momentum buffers (``momentum_correction``), the step
     counter that keys random choices, the byte counters ``bytes_sent`` / ``dense_bytes`` and,
     with ``diagnostics_every``, the diagnostics record. An exchange serves one list of
@@ -66,7 +66,7 @@ class GradientExchange(StateViews, tf.Module):
     ):
         super().__init__(name=name)
         pipeline = GradientPipeline(Identity() if compressor is None else compressor, **options)
-        self._state = ExchangeState(pipeline, self._make_variable, transport)
+        self._state = CompressionState(pipeline, self._make_variable, transport)
         self._state.step = self._state.new_variable("step", (), tf.int64, "shared")
         self._state.enable_diagnostics(diagnostics_every)
         #: what ``tf.train.Checkpoint(exchange=...)`` saves: the whole state as one entry

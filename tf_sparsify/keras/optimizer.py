@@ -15,7 +15,7 @@ from tf_sparsify.core import replica_values
 from tf_sparsify.core.checkpoint import Entry
 from tf_sparsify.core.options import ExchangeOptions
 from tf_sparsify.core.pipeline import GradientPipeline, StepResult
-from tf_sparsify.core.state import ExchangeState, StateViews
+from tf_sparsify.core.state import CompressionState, StateViews
 from tf_sparsify.core.transport import Transport
 from tf_sparsify.keras import (
     auto_jit,
@@ -108,7 +108,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         pipeline = GradientPipeline(compressor, options)
         if pipeline.momentum_correction > 0:
             _check_no_inner_momentum(inner_optimizer)
-        self._state = ExchangeState(
+        self._state = CompressionState(
             pipeline,
             self._make_variable,
             transport,
