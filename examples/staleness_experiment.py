@@ -8,8 +8,8 @@ breast-cancer data (568 rows, 30 standardized features + intercept), split into 
 shards; worker p holds ``f_p`` and ``f = mean_p f_p``. Every run is
 :class:`tf_sparsify.distribute.ServerOptimizer` on P simulated workers with full local gradients
 (SGD on float64 weights); ``L`` comes from
-:func:`tf_sparsify.analysis.theory.smoothness_least_squares`
-(power iteration) and ``f*`` from a direct solve (Newton for logistic).
+:func:`tf_sparsify.analysis.theory.smoothness_least_squares` (the data matrix's largest
+singular value) and ``f*`` from a direct solve (Newton for logistic).
 
 (a) Delays: fixed tau in {0, 2, 8}, random delays in [0, 8] and cyclic IAG (staleness P - 1),
     dense gradients, at 1, 2, 4 and 8 times the bound ``max_step_size(L, tau)``.

@@ -94,7 +94,7 @@ def test_ternary_variance_extremes():
     assert theory.ternary_variance([3.0, 0, 0]) == pytest.approx(0.0)
 
 
-def test_power_iteration_and_smoothness_on_real_data():
+def test_largest_eigenvalue_and_smoothness_on_real_data():
     x, y = load_breast_cancer(return_X_y=True)
     x = (x - x.mean(0)) / x.std(0)
     n = len(x)
@@ -108,6 +108,18 @@ def test_power_iteration_and_smoothness_on_real_data():
     s = 1 / (1 + np.exp(-(x @ w)))
     hessian = x.T @ (x * (s * (1 - s))[:, None]) / n
     assert np.linalg.eigvalsh(hessian)[-1] < L
+
+
+def test_largest_eigenvalue_is_the_squared_two_norm():
+    """Exact where the power iteration it replaced needed many steps: two nearly equal top
+    singular values, a zero matrix, one row; its old arguments still work, with a warning."""
+    x = np.diag([1.0, 1.0 - 1e-9, 0.5]) @ np.random.default_rng(1).normal(size=(3, 3))
+    top = np.linalg.eigvalsh(x.T @ x)[-1]
+    assert theory.largest_eigenvalue(x) == pytest.approx(top, rel=1e-12)
+    assert theory.largest_eigenvalue(np.zeros((4, 3))) == 0.0
+    assert theory.largest_eigenvalue([[3.0, 4.0]]) == pytest.approx(25.0)
+    with pytest.warns(DeprecationWarning, match="iterations"):
+        assert theory.largest_eigenvalue(x, iterations=10, seed=1) == pytest.approx(top)
 
 
 @pytest.mark.parametrize("bad", [np.zeros(3), np.zeros((0, 2)), np.array([[1.0, np.nan]])])

@@ -4,10 +4,11 @@
 - :func:`variance_bound`, :func:`ternary_variance`: the compression accuracy ``beta`` of an
   unbiased random quantizer, ``E||Q(v) - v||^2 <= beta ||v||^2``.
 - :func:`smoothness_least_squares`, :func:`smoothness_logistic`: the smoothness constant ``L`` of
-  the two classic objectives on a data matrix, by power iteration.
+  the two classic objectives on a data matrix, from its largest singular value (the matrix
+  2-norm).
 - the network what-if of :mod:`tf_sparsify.analysis.whatif` (alpha-beta step-time models of each
-exchange
-  method: :func:`predict`, :func:`sweep`, :func:`crossover_workers`, ...), re-exported here.
+  exchange method: :func:`predict`, :func:`sweep`, :func:`crossover_workers`, ...), re-exported
+  here.
 
 Objectives, for a data matrix ``X`` of ``n`` rows (a row per sample):
 ``least squares  f(w) = ||X w - y||^2 / (2 n) + l2 ||w||^2 / 2`` and
@@ -17,6 +18,7 @@ Objectives, for a data matrix ``X`` of ``n`` rows (a row per sample):
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -41,7 +43,7 @@ from tf_sparsify.analysis.whatif import (
     winner,
     winner_ranges,
 )
-from tf_sparsify.common.checks import check_int
+from tf_sparsify.common.checks import check_int, check_number
 from tf_sparsify.compressors.base import Compressor
 
 __all__ = [
@@ -80,8 +82,7 @@ def max_step_size(L: float, tau: int) -> float:
     descent with a fixed delay ``tau`` is stable up to ``2 sin(pi / (2 (2 tau + 1))) / L``,
     2.2 to 2.6 times larger for ``tau >= 1`` (and ``2 / L`` for ``tau = 0``).
     """
-    if isinstance(L, bool) or not isinstance(L, int | float) or not math.isfinite(L) or L <= 0:
-        raise ValueError(f"`L` must be a finite number > 0; received L={L!r}")
+    L = check_number("L", L, low=0, low_open=True)
     tau = check_int("tau", tau, minimum=0)
     return 2.0 / (L * (1.0 + math.sqrt(1.0 + 8.0 * tau * (tau + 1))))
 
@@ -98,11 +99,7 @@ def variance_bound(compressor: Compressor, num_elements: int) -> float:
             "`compressor` must be an unbiased tf_sparsify compressor (a URQ); "
             f"received compressor={compressor!r}"
         )
-    if isinstance(num_elements, bool) or not isinstance(num_elements, int) or num_elements < 1:
-        raise ValueError(
-            f"`num_elements` must be an integer >= 1; received num_elements={num_elements!r}"
-        )
-    return float(compressor.variance_bound(num_elements))
+    return float(compressor.variance_bound(check_int("num_elements", num_elements)))
 
 
 def ternary_variance(v) -> float:
@@ -114,45 +111,35 @@ def ternary_variance(v) -> float:
     return float(np.abs(v).max() * np.abs(v).sum() / sq - 1.0)
 
 
-def largest_eigenvalue(X, iterations: int = 1000, tol: float = 1e-10, seed: int = 0) -> float:
-    """The largest eigenvalue of ``X^T X`` by power iteration from a seeded random start.
+def largest_eigenvalue(X, iterations=None, tol=None, seed=None) -> float:
+    """The largest eigenvalue of ``X^T X``: the square of ``X``'s largest singular value
+    (``np.linalg.norm(X, 2)``, from an SVD: exact to rounding).
 
-    Stops when the estimate changes by less than ``tol`` (relative) between iterations.
+    ``iterations``, ``tol`` and ``seed`` set the power iteration this used to run; they have no
+    effect now and are deprecated.
     """
+    if (iterations, tol, seed) != (None, None, None):
+        warnings.warn(
+            "largest_eigenvalue: `iterations`, `tol` and `seed` have no effect (the eigenvalue "
+            "comes from the matrix 2-norm) and will be removed",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     X = np.asarray(X, dtype=np.float64)
     if X.ndim != 2 or X.size == 0 or not np.isfinite(X).all():
         raise ValueError(
             f"`X` must be a non-empty, finite 2-D data matrix; received shape={X.shape}"
         )
-    v = np.random.default_rng(seed).standard_normal(X.shape[1])
-    v /= np.linalg.norm(v)
-    estimate = 0.0
-    for _ in range(iterations):
-        w = X.T @ (X @ v)
-        new = float(v @ w)
-        norm = np.linalg.norm(w)
-        if norm == 0:
-            return 0.0
-        v = w / norm
-        if abs(new - estimate) <= tol * abs(new):
-            return new
-        estimate = new
-    return estimate
+    return float(np.linalg.norm(X, 2)) ** 2
 
 
 def smoothness_least_squares(X, l2: float = 0.0) -> float:
     """``L = lambda_max(X^T X) / n + l2`` of the mean least-squares objective."""
     X = np.asarray(X, dtype=np.float64)
-    return largest_eigenvalue(X) / X.shape[0] + _check_l2(l2)
+    return largest_eigenvalue(X) / X.shape[0] + check_number("l2", l2, low=0)
 
 
 def smoothness_logistic(X, l2: float = 0.0) -> float:
     """``L = lambda_max(X^T X) / (4 n) + l2`` of the mean logistic loss (sigmoid' <= 1/4)."""
     X = np.asarray(X, dtype=np.float64)
-    return largest_eigenvalue(X) / (4.0 * X.shape[0]) + _check_l2(l2)
-
-
-def _check_l2(l2) -> float:
-    if isinstance(l2, bool) or not isinstance(l2, int | float) or not math.isfinite(l2) or l2 < 0:
-        raise ValueError(f"`l2` must be a finite number >= 0; received l2={l2!r}")
-    return float(l2)
+    return largest_eigenvalue(X) / (4.0 * X.shape[0]) + check_number("l2", l2, low=0)
