@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from benchmarks.network.netns import BURST, UNLIMITED
 from tf_sparsify.analysis import whatif as w
-from tf_sparsify.analysis.whatif_cli import parse_bandwidth, parse_size
+from tf_sparsify.analysis.whatif_cli_values import parse_bandwidth, parse_size
 
 GATHERED = ("topk1", "topk0.1", "qsgd4", "exchange_topk1")
 SUMMED = ("identity", "fp16")

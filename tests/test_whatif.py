@@ -1,24 +1,17 @@
-"""The network what-if (``tf_sparsify.analysis.whatif``, its CLI and the validation script):
-formulas
-against hand-computed values, monotonicity in bandwidth and P, the TopK/dense crossover against
-its closed form, the validation's calibration on synthetic rows, and bad input."""
+"""The network what-if model (``tf_sparsify.analysis.whatif``): formulas against hand-computed
+values, monotonicity in bandwidth and P, the TopK/dense crossover against its closed form, and
+bad input. The command line is in test_whatif_cli.py, the validation script in
+test_whatif_validate.py."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 import tf_sparsify as tfs
-from benchmarks import whatif_validate as wv
-from tests.conftest import ROOT
 from tf_sparsify.analysis import theory
 from tf_sparsify.analysis import whatif as w
-from tf_sparsify.analysis import whatif_cli as cli
 
 GBIT = 1e9 / 8
 FLAT = w.Layers(((10**6,),))  # k = 1% of 10^6 exactly; no rounding per tensor
@@ -59,6 +52,16 @@ def test_link_time_hand_computed():
     host = w.Link(1e9, host_bandwidth=10)
     assert w.link_time([w.all_gather(10, 2, "ring")], host) == pytest.approx(1.0)
     assert w.link_time([], link) == 0
+
+
+def test_link_burst_needs_a_shared_medium():
+    with pytest.raises(ValueError, match=r"burst_bytes.*shared"):
+        w.Link(GBIT, burst_bytes=1)
+    unshared = w.Link(GBIT)
+    reduce = w.all_reduce(8e6, 8, "ring")
+    assert w.link_time([reduce], unshared) == pytest.approx(2 * 7 / 8 * 8e6 / GBIT)
+    shared = w.Link(GBIT, shared=True, burst_bytes=1e6)
+    assert w.link_time([reduce], shared) == pytest.approx((8 * 2 * 7 / 8 * 8e6 - 1e6) / GBIT)
 
 
 def test_payload_bytes_of_the_benchmark_mlp():
@@ -233,137 +236,3 @@ def test_sweep_and_winner_ranges():
 def test_bad_input_names_the_argument(make, name):
     with pytest.raises(ValueError, match=name):
         make()
-
-
-# -- CLI -------------------------------------------------------------------------------------------
-def test_cli_prints_each_method_and_the_winner(capsys):
-    argv = ["--compute-ms", "100", "--params", "10M", "--workers", "8", "--bandwidth", "10gbit"]
-    assert cli.main(argv) == 0
-    out = capsys.readouterr().out
-    for name in ("dense", "fp16", "topk", "topk-sar", "qsgd", "powersgd"):
-        assert f"\n{name} " in out
-    assert "winner: " in out and "P = 8," in out
-
-
-def test_cli_nodes_layers_json_and_overheads(tmp_path, capsys):
-    layers = tmp_path / "layers.json"
-    layers.write_text(json.dumps([[784, 2048], [2048], 4096]))
-    argv = ["--compute-ms", "50", "--layers", str(layers), "--nodes", "4", "--gpus-per-node"]
-    argv += ["8", "--bandwidth", "1gbit", "--latency", "10us", "--overhead-ms", "topk=5"]
-    assert cli.main(argv) == 0
-    out = capsys.readouterr().out
-    assert "P = 32 (4 x 8)" in out and "\nhier-topk " in out and "1,611,776 parameters" in out
-
-
-def test_cli_keras_model_shapes():
-    layers = cli.keras_layers("mobilenetv2")
-    assert len(layers.shapes) == 158 and layers.num_params == 3_504_872
-
-
-def test_cli_units():
-    assert cli.parse_bandwidth("10gbit") == pytest.approx(1.25e9)
-    assert cli.parse_bandwidth("100mbit") == pytest.approx(12.5e6)
-    assert cli.parse_duration("25us") == pytest.approx(25e-6)
-    assert cli.parse_size("512kb") == 512 * 1024
-    assert cli.parse_count("1.5G") == 1_500_000_000
-    assert cli.parse_overheads("topk=8,qsgd=20") == {"topk": 0.008, "qsgd": 0.02}
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--params", "1M", "--workers", "4", "--bandwidth", "10gbps"], "bandwidth"),
-        (["--params", "1M", "--workers", "4", "--latency", "5"], "latency"),
-        (["--params", "1M", "--workers", "0"], "nodes"),
-        (["--params", "1M"], "--workers"),
-        (["--params", "1M", "--workers", "4", "--methods", "dense,zip"], "methods"),
-        (["--params", "1M", "--workers", "4", "--ratio", "2"], "ratio"),
-        (["--params", "1M", "--workers", "4", "--nodes", "2"], "not both"),
-    ],
-)
-def test_cli_bad_input(argv, message, capsys):
-    try:
-        code = cli.main(["--compute-ms", "10", *argv])
-    except SystemExit as exit_:  # argparse's own errors
-        code = exit_.code
-    assert code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_module_entry_point_sweep_writes_a_png(tmp_path):
-    png = tmp_path / "sweep.png"
-    command = [sys.executable, "-m", "tf_sparsify", "whatif", "--compute-ms", "100"]
-    command += ["--model", "mlp10m", "--sweep", "--plot", str(png)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rate in ("1gbit: P 2-", "10gbit: P 2-", "100gbit: P 2-"):
-        assert rate in proc.stdout
-    assert "  1024 " in proc.stdout and f"wrote {png}" in proc.stdout
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    usage = subprocess.run([sys.executable, "-m", "tf_sparsify", "what"], capture_output=True)
-    assert usage.returncode == 2 and b"whatif" in usage.stderr
-
-
-# -- the validation script -------------------------------------------------------------------------
-def synthetic_rows(ranks: int, truth: dict) -> list[dict]:
-    """Benchmark rows made by the validation's own model from known host terms: the script
-    must recover them and predict every rated row exactly."""
-    payloads = {"identity": 40_083_496, "fp16": 20_041_748, "topk1": 508_118}
-    payloads["exchange_topk1"] = payloads["topk1"]
-    calibration = wv.Calibration(truth["t0"], truth["host"], {})
-    rows = []
-    for rate in ("unlimited", "1gbit", "10gbit"):
-        link = wv.host_link(rate, calibration)
-        compute = truth["compute"][rate]
-        row = {"backend": "horovod", "model": "mlp10m", "rate": rate, "ranks": ranks}
-        rows.append({**row, "compressor": "compute", "best_ms": 1e3 * compute, "bytes_per_step": 0})
-        for name, payload in payloads.items():
-            entry = {**row, "compressor": name, "bytes_per_step": payload}
-            spent = wv.comm(name, entry, link)
-            if name != "exchange_topk1":
-                spent += compute + truth["overheads"][name]
-            rows.append({**entry, "best_ms": 1e3 * spent})
-    return rows
-
-
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_validation_recovers_a_synthetic_calibration(ranks):
-    truth = {
-        "t0": 0.01,
-        "host": 5e8,
-        "compute": {"unlimited": 0.2, "1gbit": 0.25, "10gbit": 0.22},
-        "overheads": {"identity": 0.0, "fp16": 0.05, "topk1": 0.04},
-    }
-    rows = synthetic_rows(ranks, truth)
-    rows.append({**rows[0], "backend": "mwms"})  # ignored
-    results, notes = wv.validate(rows)
-    assert len(results) == 2 * 4 and all(abs(r["error"]) < 1e-9 for r in results)
-    calibration = wv.calibrate(wv.by_job(rows)[("mlp10m", ranks)]["unlimited"])
-    assert calibration.call_overhead == pytest.approx(0.01)
-    assert calibration.host_bandwidth == pytest.approx(5e8)
-    assert calibration.overheads == pytest.approx(truth["overheads"])
-    assert "call overhead 10.0 ms" in notes[0]
-    # 1gbit dense at P = 2 by hand: both ranks' 40 MB through one limit, less the burst
-    if ranks == 2:
-        (dense,) = [r for r in results if r["rate"] == "1gbit" and r["compressor"] == "identity"]
-        wire = (2 * 40_083_496 - 512 * 1024) / GBIT
-        assert dense["predicted_ms"] == pytest.approx(1e3 * (0.25 + 0.01 + wire))
-
-
-def test_validation_script_main(tmp_path, capsys):
-    truth = {
-        "t0": 0.005,
-        "host": 3e8,
-        "compute": {"unlimited": 0.1, "1gbit": 0.1, "10gbit": 0.1},
-        "overheads": {"identity": 0.0, "fp16": 0.02, "topk1": 0.03},
-    }
-    path = tmp_path / "bench.json"
-    path.write_text(json.dumps({"rows": synthetic_rows(2, truth)}))
-    assert wv.main([str(path), "--markdown"]) == 0
-    out = capsys.readouterr().out
-    assert "| mlp10m | 2 | 1gbit | identity |" in out and "8/8 within 25%" in out
-    no_unlimited = [r for r in synthetic_rows(2, truth) if r["rate"] != "unlimited"]
-    path.write_text(json.dumps({"rows": no_unlimited}))
-    assert wv.main([str(path)]) == 1
-    assert "skipped" in capsys.readouterr().out

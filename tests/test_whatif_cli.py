@@ -1,19 +1,23 @@
-"""``python -m tf_sparsify whatif``: bad or contradictory options end in argparse's error (exit
-code 2, a message on stderr naming the option and the value as given), never a traceback, a
-message in other units or under another name, or an option silently ignored."""
+"""``python -m tf_sparsify whatif`` (``tf_sparsify.analysis.whatif_cli``): each method's row and
+the winner, the units of the options, a sweep through the module entry point; and bad or
+contradictory options end in argparse's error (exit code 2, a message on stderr naming the
+option and the value as given), never a traceback, a message in other units or under another
+name, or an option silently ignored."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from tf_sparsify.analysis import whatif as w
+from tests.conftest import ROOT
 from tf_sparsify.analysis import whatif_cli as cli
 
 BASE = ["--compute-ms", "100", "--params", "25M"]
-GBIT = 1e9 / 8
 
 
 def cli_error(argv: list[str], capsys) -> str:
@@ -35,6 +39,77 @@ def step_ms(argv: list[str], capsys) -> str:
     return row.split()[3]
 
 
+# -- runs ----------------------------------------------------------------------------------------
+def test_cli_prints_each_method_and_the_winner(capsys):
+    argv = ["--compute-ms", "100", "--params", "10M", "--workers", "8", "--bandwidth", "10gbit"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("dense", "fp16", "topk", "topk-sar", "qsgd", "powersgd"):
+        assert f"\n{name} " in out
+    assert "winner: " in out and "P = 8," in out
+
+
+def test_cli_nodes_layers_json_and_overheads(tmp_path, capsys):
+    layers = tmp_path / "layers.json"
+    layers.write_text(json.dumps([[784, 2048], [2048], 4096]))
+    argv = ["--compute-ms", "50", "--layers", str(layers), "--nodes", "4", "--gpus-per-node"]
+    argv += ["8", "--bandwidth", "1gbit", "--latency", "10us", "--overhead-ms", "topk=5"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "P = 32 (4 x 8)" in out and "\nhier-topk " in out and "1,611,776 parameters" in out
+
+
+def test_cli_keras_model_shapes():
+    layers = cli.keras_layers("mobilenetv2")
+    assert len(layers.shapes) == 158 and layers.num_params == 3_504_872
+
+
+def test_cli_units():
+    assert cli.parse_bandwidth("10gbit") == pytest.approx(1.25e9)
+    assert cli.parse_bandwidth("100mbit") == pytest.approx(12.5e6)
+    assert cli.parse_duration("25us") == pytest.approx(25e-6)
+    assert cli.parse_size("512kb") == 512 * 1024
+    assert cli.parse_count("1.5G") == 1_500_000_000
+    assert cli.parse_overheads("topk=8,qsgd=20") == {"topk": 0.008, "qsgd": 0.02}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--params", "1M", "--workers", "4", "--bandwidth", "10gbps"], "bandwidth"),
+        (["--params", "1M", "--workers", "4", "--latency", "5"], "latency"),
+        (["--params", "1M", "--workers", "0"], "nodes"),
+        (["--params", "1M"], "--workers"),
+        (["--params", "1M", "--workers", "4", "--methods", "dense,zip"], "methods"),
+        (["--params", "1M", "--workers", "4", "--ratio", "2"], "ratio"),
+        (["--params", "1M", "--workers", "4", "--nodes", "2"], "not both"),
+    ],
+)
+def test_cli_bad_input(argv, message, capsys):
+    try:
+        code = cli.main(["--compute-ms", "10", *argv])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_module_entry_point_sweep_writes_a_png(tmp_path):
+    png = tmp_path / "sweep.png"
+    command = [sys.executable, "-m", "tf_sparsify", "whatif", "--compute-ms", "100"]
+    command += ["--model", "mlp10m", "--sweep", "--plot", str(png)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rate in ("1gbit: P 2-", "10gbit: P 2-", "100gbit: P 2-"):
+        assert rate in proc.stdout
+    assert "  1024 " in proc.stdout and f"wrote {png}" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    usage = subprocess.run([sys.executable, "-m", "tf_sparsify", "what"], capture_output=True)
+    assert usage.returncode == 2 and b"whatif" in usage.stderr
+
+
+# -- bad or contradictory options ---------------------------------------------------------------
 # 1. --burst only applies to a shared medium
 def test_burst_without_shared_medium_is_an_error(capsys):
     argv = [*BASE, "--workers", "8", "--methods", "dense"]
@@ -46,16 +121,6 @@ def test_burst_without_shared_medium_is_an_error(capsys):
     burst = step_ms([*argv, "--shared-medium", "--burst", "100MB"], capsys)
     assert float(burst) < float(shared) and float(plain) < float(shared)
     assert step_ms([*argv, "--burst", "0"], capsys) == plain  # no burst: nothing asked
-
-
-def test_link_burst_needs_a_shared_medium():
-    with pytest.raises(ValueError, match=r"burst_bytes.*shared"):
-        w.Link(GBIT, burst_bytes=1)
-    unshared = w.Link(GBIT)
-    reduce = w.all_reduce(8e6, 8, "ring")
-    assert w.link_time([reduce], unshared) == pytest.approx(2 * 7 / 8 * 8e6 / GBIT)
-    shared = w.Link(GBIT, shared=True, burst_bytes=1e6)
-    assert w.link_time([reduce], shared) == pytest.approx((8 * 2 * 7 / 8 * 8e6 - 1e6) / GBIT)
 
 
 # 2. an empty --sweep-bandwidths
