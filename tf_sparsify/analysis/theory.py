@@ -7,8 +7,8 @@
   the two classic objectives on a data matrix, from its largest singular value (the matrix
   2-norm).
 - the network what-if of :mod:`tf_sparsify.analysis.whatif` (alpha-beta step-time models of each
-  exchange method: :func:`predict`, :func:`sweep`, :func:`crossover_workers`, ...), re-exported
-  here.
+  exchange method: :func:`predict`, :func:`sweep`, :func:`crossover_workers`, ...): its names
+  (``whatif.__all__``) are re-exported here.
 
 Objectives, for a data matrix ``X`` of ``n`` rows (a row per sample):
 ``least squares  f(w) = ||X w - y||^2 / (2 n) + l2 ||w||^2 / 2`` and
@@ -22,56 +22,19 @@ import warnings
 
 import numpy as np
 
-from tf_sparsify.analysis.whatif import (
-    MLP10M,
-    Cluster,
-    DenseAllReduce,
-    Hierarchical,
-    Layers,
-    Link,
-    PowerSGDAllReduce,
-    Prediction,
-    QSGDAllGather,
-    TopKAllGather,
-    TopKSplitReduce,
-    comm_time,
-    crossover_workers,
-    mlp_layers,
-    predict,
-    step_time,
-    sweep,
-    winner,
-    winner_ranges,
-)
+from tf_sparsify.analysis import whatif
+from tf_sparsify.analysis.whatif import *  # noqa: F403 (the what-if's names, re-exported)
 from tf_sparsify.common.checks import check_int, check_number
 from tf_sparsify.compressors.base import Compressor
 
 __all__ = [
-    "MLP10M",
-    "Cluster",
-    "DenseAllReduce",
-    "Hierarchical",
-    "Layers",
-    "Link",
-    "PowerSGDAllReduce",
-    "Prediction",
-    "QSGDAllGather",
-    "TopKSplitReduce",
-    "TopKAllGather",
-    "comm_time",
-    "crossover_workers",
     "largest_eigenvalue",
     "max_step_size",
-    "mlp_layers",
-    "predict",
     "smoothness_least_squares",
     "smoothness_logistic",
-    "step_time",
-    "sweep",
     "ternary_variance",
     "variance_bound",
-    "winner",
-    "winner_ranges",
+    *whatif.__all__,
 ]
 
 

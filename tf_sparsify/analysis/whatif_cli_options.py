@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Sequence
 
+from tf_sparsify.analysis import whatif_methods as methods
 from tf_sparsify.analysis.whatif_cli_values import (
     MAX_PARAMS,
     integer,
@@ -18,15 +19,6 @@ from tf_sparsify.analysis.whatif_cli_values import (
     parse_count,
     parse_duration,
     parse_size,
-)
-from tf_sparsify.analysis.whatif_methods import (
-    DenseAllReduce,
-    Hierarchical,
-    Method,
-    PowerSGDAllReduce,
-    QSGDAllGather,
-    TopKAllGather,
-    TopKSplitReduce,
 )
 from tf_sparsify.analysis.whatif_network import SCHEDULES
 from tf_sparsify.analysis.whatif_predict import OVERLAPS
@@ -87,22 +79,22 @@ def method_names(text: str) -> list[str]:
     return names
 
 
-def make_methods(args: argparse.Namespace) -> list[Method]:
+def make_methods(args: argparse.Namespace) -> list[methods.Method]:
     """The methods named in ``--methods`` (``hier-X``: X across nodes, dense inside)."""
     topk = {"ratio": args.ratio, "value_bytes": args.value_bytes, "index_bytes": args.index_bytes}
     flat = {
-        "dense": lambda: DenseAllReduce(4, "dense"),
-        "fp16": lambda: DenseAllReduce(2, "fp16"),
-        "topk": lambda: TopKAllGather(**topk),
-        "topk-sar": lambda: TopKSplitReduce(**topk),
-        "qsgd": lambda: QSGDAllGather(args.levels),
-        "powersgd": lambda: PowerSGDAllReduce(args.rank),
+        "dense": lambda: methods.DenseAllReduce(4, "dense"),
+        "fp16": lambda: methods.DenseAllReduce(2, "fp16"),
+        "topk": lambda: methods.TopKAllGather(**topk),
+        "topk-sar": lambda: methods.TopKSplitReduce(**topk),
+        "qsgd": lambda: methods.QSGDAllGather(args.levels),
+        "powersgd": lambda: methods.PowerSGDAllReduce(args.rank),
     }
-    methods: list[Method] = []
+    out: list[methods.Method] = []
     for name in method_names(args.methods):
         base = name.removeprefix("hier-")
-        methods.append(flat[base]() if base == name else Hierarchical(flat[base]()))
-    return methods
+        out.append(flat[base]() if base == name else methods.Hierarchical(flat[base]()))
+    return out
 
 
 def default_methods(gpus_per_node: int) -> str:
