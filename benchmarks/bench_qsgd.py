@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import best_ms  # noqa: E402
 
 from tf_sparsify import ops  # noqa: E402
-from tf_sparsify.ops import numpy_reference  # noqa: E402
 from tf_sparsify.ops import pure_tf as reference  # noqa: E402
+from tf_sparsify.testing import numpy_reference  # noqa: E402
 
 
 def run(n: int, levels: int, bucket: int, dtype: tf.DType, repeats: int) -> None:

@@ -26,11 +26,21 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location(
-    "numpy_reference", ROOT / "tf_sparsify" / "ops" / "numpy_reference.py"
-)
-npref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(npref)
+
+
+def _load(name: str, path: Path):
+    """The module at ``path`` imported as ``name`` (importing it from the tf_sparsify package
+    would import TensorFlow)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# The NumPy model imports the QSGD bucket sizes from the ops: that module first, by its name.
+_load("tf_sparsify.ops.qsgd_buckets", ROOT / "tf_sparsify" / "ops" / "qsgd_buckets.py")
+npref = _load("numpy_reference", ROOT / "tf_sparsify" / "testing" / "numpy_reference.py")
 
 CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 SIGNED = {2: np.int16, 4: np.int32, 8: np.int64}

@@ -28,20 +28,32 @@ These define the semantics the compiled kernels must reproduce bit for bit:
   order, rounded once to the dtype (Inf beyond its range, NaN as one quiet NaN); one row as it
   is.
 
-bfloat16 results computed in float32 are rounded to nearest even, a NaN to 0x7FC0 with its sign
-(:func:`from_float32`; ``tf.cast`` drops the sign of long tensors' NaNs).
+Numerics shared by every path (CPU kernel, CUDA core, this reference on CPU, NumPy model):
 
-Denormals (see :mod:`tf_sparsify.ops`): float32/float64 arithmetic reads denormals as zero and
-flushes denormal results. TensorFlow's CPU kernels do that in hardware; the flushes written out
-here make the reference follow the same policy on devices that keep denormals.
+* Denormals: float32 and float64 arithmetic (and bfloat16's, done in float32) reads denormal
+  inputs as zero and flushes denormal results to zero, keeping the sign, as TensorFlow's CPU
+  kernels do (x86 DAZ/FTZ; a result is flushed when, rounded to the type's precision with an
+  unbounded exponent, it is below the smallest normal). float16 is computed in float32, where
+  its denormals are normal numbers, so they are kept, as in TensorFlow. TensorFlow's CPU
+  kernels flush in hardware; the flushes written out here make the reference follow the same
+  policy on devices that keep denormals.
+* QSGD saturates instead of overflowing: finite inputs beyond float32's range count as
+  +-float32 max, bucket norms above float32 max are sent as float32 max (levels are capped at
+  ``levels``), and decoded values are clamped to the output dtype's largest finite magnitude.
+  Finite inputs thus never give Inf or NaN; Inf and NaN inputs keep their documented effect.
+* bfloat16 results computed in float32 (TopK's ``grad + residual``, QSGD's decoded values) are
+  rounded to nearest even, and a NaN becomes the quiet NaN with its sign: 0x7FC0 or 0xFFC0
+  (x86 makes Inf + -Inf and 0 * Inf negative NaNs; :func:`from_float32`), where ``tf.cast``
+  gives 0x7FC0 or 0xFFC0 depending on the tensor's length. On a GPU, QSGD's NaNs carry the
+  GPU's own bits.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_sparsify.ops import qsgd_buckets
 from tf_sparsify.ops.xla import in_xla_context
-from tf_sparsify.testing import numpy_reference
 
 _MASKS = {
     tf.float16: (tf.int16, 0x7FFF),
@@ -236,7 +248,7 @@ def effective_bucket(n: int | tf.Tensor, bucket_size: int) -> int | tf.Tensor:
     """Bucket length: ``min(bucket_size, n)``, the whole tensor for 0 (at least 1); a Python
     int for a Python ``n``, else int64."""
     if isinstance(n, int):
-        return numpy_reference.effective_bucket(n, bucket_size)
+        return qsgd_buckets.effective_bucket(n, bucket_size)
     n = tf.maximum(tf.cast(n, tf.int64), 1)
     return n if bucket_size == 0 else tf.minimum(tf.constant(bucket_size, tf.int64), n)
 

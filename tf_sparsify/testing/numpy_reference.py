@@ -1,4 +1,5 @@
-"""NumPy model of the custom ops, independent of TensorFlow (the GPU check loads it by path).
+"""NumPy model of the custom ops, independent of TensorFlow (the GPU check loads it by path,
+and :mod:`tf_sparsify.ops.qsgd_buckets`, the QSGD bucket sizes it shares with the ops, before it).
 
 Arrays are raw IEEE bit patterns (uint16 for float16 and bfloat16, uint32, uint64) plus a
 ``kind`` naming the float type, so bfloat16 needs no NumPy support. It follows the ops'
@@ -13,8 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from tf_sparsify.ops.qsgd_buckets import effective_bucket, num_buckets
+
 KINDS = ("float16", "bfloat16", "float32", "float64")
 BITS = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.uint32, "float64": np.uint64}
+#: the NumPy type of each kind but bfloat16 (which NumPy lacks: bit patterns only)
+FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 _SIGN_MASK = {"float16": 0x7FFF, "bfloat16": 0x7FFF, "float32": 0x7FFFFFFF}
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)
@@ -55,12 +60,8 @@ def to_f32(bits: np.ndarray, kind: str) -> np.ndarray:
     """Values of ``kind`` as float32 (float64 rounds to nearest even)."""
     if kind == "bfloat16":
         return bf16_to_f32(bits)
-    if kind == "float16":
-        return bits.view(np.float16).astype(np.float32)
-    if kind == "float32":
-        return bits.view(np.float32).copy()
     with np.errstate(over="ignore"):
-        return bits.view(np.float64).astype(np.float32)
+        return bits.view(FLOATS[kind]).astype(np.float32)  # a copy, also from float32
 
 
 def qsgd_input(bits: np.ndarray, kind: str) -> np.ndarray:
@@ -79,11 +80,7 @@ def from_f32(x: np.ndarray, kind: str) -> np.ndarray:
     """float32 values to bit patterns of ``kind`` (round to nearest even)."""
     if kind == "bfloat16":
         return f32_to_bf16(x)
-    if kind == "float16":
-        return x.astype(np.float16).view(np.uint16)
-    if kind == "float32":
-        return x.astype(np.float32).view(np.uint32)
-    return x.astype(np.float64).view(np.uint64)
+    return x.astype(FLOATS[kind]).view(BITS[kind])
 
 
 def add(a: np.ndarray, b: np.ndarray, kind: str) -> np.ndarray:
@@ -146,16 +143,6 @@ def hash_uniform(seed: int, n: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = _fmix32(_fmix32(i ^ key0) ^ key1)
     return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
-
-
-def effective_bucket(n: int, bucket_size: int) -> int:
-    """Bucket length: ``min(bucket_size, n)``, the whole tensor for 0 (at least 1)."""
-    return max(n, 1) if bucket_size == 0 else max(min(bucket_size, n), 1)
-
-
-def num_buckets(n: int, bucket_size: int) -> int:
-    """Number of QSGD buckets (one for the whole tensor when bucket_size is 0 or >= n)."""
-    return -(-n // effective_bucket(n, bucket_size))
 
 
 def _buckets(x: np.ndarray, bucket_size: int) -> np.ndarray:
