@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import tf_sparsify.ops as ops
 from tests.conftest import DTYPES, KIND, ROOT, UINT
-from tf_sparsify.ops import library
+from tf_sparsify.ops import dispatch, library
 from tf_sparsify.ops import pure_tf as reference
 from tf_sparsify.testing import numpy_reference as npref
 
@@ -650,6 +650,53 @@ def test_fallback_warns_once(monkeypatch):
     monkeypatch.setenv(ops.REQUIRE_ENV, "1")
     with pytest.raises(RuntimeError, match="TF_SPARSIFY_REQUIRE_OPS=1.*pretend it is missing"):
         ops.topk_error_feedback(g, r, 4)
+
+
+def _op_types(fn, *specs) -> set[str]:
+    graph = tf.function(fn).get_concrete_function(*specs).graph
+    return {op.type for op in graph.get_operations()}
+
+
+def test_the_packages_loader_hooks_are_dispatchs(monkeypatch):
+    """``ops._library``, ``ops._compiled`` and ``ops._warned``, which tests replace, read and
+    write those of tf_sparsify.ops.dispatch, where every op's one choice is made."""
+    assert ops._library is dispatch.loaded_library
+    assert ops._compiled is dispatch.compiled_module
+    assert ops._warned is dispatch.warned
+    spec = tf.TensorSpec([50], tf.float32)
+
+    def topk(g):
+        return ops.topk_error_feedback(g, tf.zeros_like(g), 3)
+
+    original = dispatch.compiled_module
+    monkeypatch.setattr(ops, "_compiled", lambda: None)
+    assert dispatch.compiled_module is not original
+    assert "TopKErrorFeedback" not in _op_types(topk, spec)  # the reference
+    monkeypatch.setattr(ops, "_library", lambda: library.Library(None, "pretend it is missing"))
+    monkeypatch.setattr(ops, "_warned", True)
+    assert dispatch.warned and not ops.is_compiled()
+    monkeypatch.undo()
+    assert dispatch.compiled_module is original and ops._compiled is original
+    assert dispatch.loaded_library().module is ops._library().module
+    if ops.is_compiled():
+        assert "TopKErrorFeedback" in _op_types(topk, spec)
+
+
+def test_a_kernel_that_does_not_take_the_inputs_leaves_the_library_alone(monkeypatch):
+    """float64 casts run the reference without asking for the library: no error under
+    TF_SPARSIFY_REQUIRE_OPS=1 with the library missing, no warning."""
+    monkeypatch.setattr(ops, "_library", lambda: library.Library(None, "pretend it is missing"))
+    monkeypatch.setattr(ops, "_warned", False)
+    monkeypatch.setenv(ops.REQUIRE_ENV, "1")
+    g = make(RNG.standard_normal(50), tf.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wire, residual = ops.saturating_cast_feedback(g, tf.zeros_like(g), tf.bfloat16)
+    want = reference.saturating_cast_feedback(g, tf.zeros_like(g), tf.bfloat16)
+    np.testing.assert_array_equal(bits_of(wire), bits_of(want[0]))
+    np.testing.assert_array_equal(residual.numpy(), want[1].numpy())
+    with tf.device("/CPU:0"), pytest.raises(RuntimeError, match="TF_SPARSIFY_REQUIRE_OPS=1"):
+        ops.saturating_cast_feedback(tf.cast(g, tf.float32), None, tf.bfloat16)
 
 
 def test_library_built_from_older_sources_is_not_used(compiled, monkeypatch):
