@@ -1,5 +1,6 @@
 """PowerSGD: exact updates, residuals and Q against NumPy on 1 and 2 replicas, warm start,
-checkpoints, conservation, bytes, dense fallbacks, bad input, non-finite steps, training."""
+checkpoints, conservation, bytes, dense fallbacks, bad input, non-finite steps, float16 near its
+largest value, training."""
 
 from __future__ import annotations
 
@@ -373,6 +374,120 @@ def test_a_non_finite_gradient_on_one_replica_is_agreed_and_keeps_the_state(mirr
     for a, b in zip(before, kept(), strict=True):
         np.testing.assert_array_equal(a, b)
     assert not np.all(np.isfinite(v.numpy()))  # the update went on, non-finite
+
+
+# -- float16 near 65504: residual and update rounded once from float32; a step whose residual
+# or update does not fit float16 is a non-finite step -----------------------------------------
+F16_SHAPE = (8, 6)  # compressed by PowerSGD(2): 2 * (8 + 6) < 48
+
+
+def _state(opt: tfs.SparsifiedOptimizer) -> list[np.ndarray]:
+    """The optimizer's residual and PowerSGD's Q."""
+    (q,) = (x for x in opt.variables if "_state" in x.name)
+    return [opt.residuals[0].numpy().copy(), q.numpy().copy()]
+
+
+def _overflowing_gradient() -> np.ndarray:
+    """Finite float16 entries of +-65000 in random signs: the rank-2 approximations PowerSGD
+    finds for them (seeded, so the same every run) have entries beyond 65504."""
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=F16_SHAPE)
+    return (signs * 65000).astype(np.float16)
+
+
+def test_powersgd_float16_overflow_is_a_non_finite_step_that_keeps_the_memory():
+    """Keras wrapper, one replica: a good step, then gradients near float16's max whose rank-2
+    approximation overflows float16. That step is bad: residual and Q stay as the good step
+    left them (finite), the LossScaleOptimizer inside skips it (weights unchanged, its scale
+    halves); before the fix the residual took -Inf/+Inf and kept it."""
+    v = keras.Variable(np.zeros(F16_SHAPE, np.float16), dtype="float16")
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3), initial_scale=1.0)
+    opt = tfs.SparsifiedOptimizer(lso, tfs.PowerSGD(2))
+    opt.build([v])
+    assert opt.residuals[0].dtype == "float16"
+
+    good = tf.random.stateless_normal(F16_SHAPE, seed=[1, 2], dtype=tf.float32) * 100
+    opt.apply_gradients([(tf.cast(good, tf.float16), v)])
+    before, weights = _state(opt), v.numpy().copy()
+    assert all(np.all(np.isfinite(x)) and np.any(x) for x in before)
+    assert np.all(np.isfinite(weights)) and np.any(weights)
+
+    opt.apply_gradients([(tf.constant(_overflowing_gradient()), v)])
+    after = _state(opt)
+    assert all(np.all(np.isfinite(x)) for x in after)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(v.numpy(), weights)
+    assert float(lso.dynamic_scale.numpy()) == 0.5  # the step was seen as an overflow
+
+
+def test_powersgd_float16_overflow_through_the_pipeline_is_reported_non_finite():
+    """GradientPipeline driven like a front end, several steps from a zero state: every step
+    with a finite accumulator whose approximation or residual does not fit float16 reports
+    ``finite=False`` with a non-finite update, and a step reported finite never carries a
+    non-finite residual (the front end stores residuals only for finite steps)."""
+    pipeline = GradientPipeline(tfs.PowerSGD(2))
+    units = pipeline.plan([F16_SHAPE], [tf.float16])
+    residual = tf.zeros(F16_SHAPE, tf.float16)
+    states = zero_states(units)
+    grad = _overflowing_gradient()
+    bad_steps = 0
+    for t in range(4):
+        g = tf.constant(grad * (1 if t % 2 == 0 else -1))
+        out = pipeline.run_step(
+            units, [g], [residual], tf.constant(t, tf.int64), LocalCollective(), states=states
+        )
+        update, new_residual = out.updates[0].numpy(), out.residuals[0].numpy()
+        if bool(out.finite):
+            assert np.all(np.isfinite(new_residual)) and np.all(np.isfinite(update))
+            residual, states = out.residuals[0], out.states
+        else:
+            bad_steps += 1
+            assert not np.all(np.isfinite(update))  # marked, as for a non-finite gradient
+    assert bad_steps == 4  # every approximation found overflows float16
+    assert not np.any(residual.numpy())
+
+
+def test_powersgd_float16_replica_approximation_beyond_65504_keeps_an_exact_residual(mirrored2):
+    """Two replicas, Keras wrapper: ``M_0 = D + S`` and ``M_1 = -D`` with ``D`` = 60000
+    everywhere and ``S`` a small rank-2 matrix whose column space is not along ``D``'s. The
+    shared subspace is ``S``'s; projected on it, replica 0's ``D`` has entries of 112500 (beyond
+    float16) while the update (``S``) and both residuals fit. Before the fix replica 0's
+    residual was ``acc - Inf``; now the step is finite, the residuals finite and
+    ``update + e_0 + e_1 == M_0 + M_1`` up to float16 rounding."""
+    u = np.array([[3, 1, 1, 1, 1, 1, 1, 1], [0, 1, -1, 0, 0, 0, 0, 0]], np.float64).T
+    coef = np.array([[1, 2, -1, 0, 1, 3], [2, -1, 1, 3, 0, 1]], np.float64)
+    s = 32 * (u @ coef)
+    d = np.full(F16_SHAPE, 60000.0)
+    grads = np.stack([d + s, -d]).astype(np.float16)
+    assert np.array_equal(grads.astype(np.float64), np.stack([d + s, -d]))  # exact in float16
+    lr = 2.0**-10
+    with mirrored2.scope():
+        v = keras.Variable(np.zeros(F16_SHAPE, np.float16), dtype="float16")
+        opt = tfs.SparsifiedOptimizer(keras.optimizers.SGD(lr), tfs.PowerSGD(2))
+        opt.build([v])
+    raw = tf.constant(grads)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            opt.apply_gradients([(tf.gather(raw, r), v)])
+
+        mirrored2.run(replica_fn)
+
+    step()
+    residuals = [
+        x.numpy().astype(np.float64)
+        for x in mirrored2.experimental_local_results(opt.residuals[0].value)
+    ]
+    assert all(np.all(np.isfinite(e)) for e in residuals)
+    assert np.abs(residuals[0]).max() > 40000  # replica 0 kept -D's share outside span(S)
+    weights = v.numpy().astype(np.float64)
+    assert np.all(np.isfinite(weights)) and np.any(weights)
+    update = -weights / lr  # Keras sums the replicas' contributions (divisor 1)
+    np.testing.assert_allclose(update, s, rtol=0, atol=2.0)  # ~ the sum, projected on S's span
+    # e_r rounds once to float16 (spacing 32 near 60000); update's float16 weight adds <= 1
+    np.testing.assert_allclose(update + sum(residuals), d + s - d, rtol=0, atol=40.0)
 
 
 def test_digits_mlp_trains_to_a_sensible_accuracy():
