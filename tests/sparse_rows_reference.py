@@ -1,5 +1,5 @@
 """NumPy model of sparse gradients exchanged over their touched rows
-(``tf_sparsify.core.sparse_rows``),
+(``tf_sparsify.core.routes.sparse_rows``),
 shared by ``tests/test_sparse_gradients.py`` and the Horovod worker ``sparse_rows.py``.
 
 The gradients' values are multiples of 1/8 in float64, so every sum is exact whatever its

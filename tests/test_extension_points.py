@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sparsify as tfs
-from tf_sparsify.collectives.base import Collective
+from tf_sparsify.collectives import Collective
 
 
 class Int8Scaled(tfs.compressors.Codec):

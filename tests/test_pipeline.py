@@ -7,8 +7,9 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
-from tf_sparsify.collectives.base import LocalCollective, ReplicaContextCollective
-from tf_sparsify.core.pipeline import GradientPipeline, bytes_per_step
+from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.plan import bytes_per_step
 
 SHAPES = [(12, 5), (5,), (3, 4, 2)]
 

@@ -1,5 +1,5 @@
 """The sparse-rows path reads only the touched rows of a residual
-(:mod:`tf_sparsify.core.sparse_rows`):
+(:mod:`tf_sparsify.core.routes.sparse_rows`):
 once a step has written rows into it, TF copies a variable's whole value on every dense read
 (its copy-on-read mode after a scatter), 64 MB a step for a 32k x 512 embedding."""
 

@@ -1,5 +1,5 @@
 """Sparse gradients (``tf.IndexedSlices``) stay sparse: compressed over the rows they touch,
-exchanged as rows, applied as sparse updates (:mod:`tf_sparsify.core.sparse_rows`).
+exchanged as rows, applied as sparse updates (:mod:`tf_sparsify.core.routes.sparse_rows`).
 
 The values are multiples of 1/8 in float64, so every sum below is exact whatever its order:
 the updates, residuals and the conservation identity are compared exactly with the NumPy model

@@ -11,9 +11,10 @@ import tensorflow as tf
 
 import tf_sparsify as tfs
 from tf_sparsify import ops
-from tf_sparsify.collectives.base import LocalCollective, SimulatedWorkerCollective
+from tf_sparsify.collectives import LocalCollective, SimulatedWorkerCollective
 from tf_sparsify.compressors import topk_bucket
-from tf_sparsify.core.pipeline import GradientPipeline, SparseUpdate
+from tf_sparsify.compressors.rounds import SparseUpdate
+from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.ops import index_code
 from tf_sparsify.testing import numpy_reference as ref
 

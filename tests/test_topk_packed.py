@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
-from tf_sparsify.collectives.base import LocalCollective, ReplicaContextCollective
+from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
 from tf_sparsify.compressors import deserialize, serialize
 from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.ops import decode_indices, encode_indices

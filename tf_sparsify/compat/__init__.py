@@ -22,7 +22,7 @@ MOVED = {
     "tf_sparsify.checkpointing": "tf_sparsify.core.checkpoint",
     "tf_sparsify.replica_values": "tf_sparsify.core.replica_values",
     "tf_sparsify.measurements": "tf_sparsify.core.measurements",
-    "tf_sparsify.sparse_rows": "tf_sparsify.core.sparse_rows",
+    "tf_sparsify.sparse_rows": "tf_sparsify.core.routes.sparse_rows",
     "tf_sparsify.memory": "tf_sparsify.compressors.error_memory",
     "tf_sparsify.compressors.protocol": "tf_sparsify.compressors.rounds",
     "tf_sparsify.exchange": "tf_sparsify.custom_loop.gradient_exchange",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 import fractions
-import math
 import numbers
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -13,14 +12,14 @@ import tensorflow as tf
 
 from tf_sparsify import ops
 from tf_sparsify.common.checks import check_float_dtype, is_number
-from tf_sparsify.compressors import error_memory as memory
-from tf_sparsify.compressors import rounds as protocol
+from tf_sparsify.compressors import error_memory
+from tf_sparsify.compressors.rounds import Started, entries_round, one_round, scaled
 
 Payload = tuple[tf.Tensor, ...]
 
 if TYPE_CHECKING:
     from tf_sparsify.compressors.error_memory import UnitMemory
-    from tf_sparsify.compressors.rounds import Opening, Protocol, Replicas
+    from tf_sparsify.compressors.rounds import ReplicaGroup, Rounds
 
 
 _REGISTRY: dict[str, type[Compressor]] = {}
@@ -87,9 +86,19 @@ class Compressor(abc.ABC):
     #: can compile a step that uses the compressor
     runs_under_xla: ClassVar[bool] = True
 
+    #: capabilities the routes read (:mod:`tf_sparsify.core.routes`), declared by each class
+    #: itself and not inherited (a subclass may change what it sends): a one-variable unit's
+    #: ``IndexedSlices`` gradient may travel as its touched rows
+    travels_as_rows: ClassVar[bool] = False
+    #: one-variable units with error feedback may travel packed, one payload per bucket
+    packs_in_buckets: ClassVar[bool] = False
+
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
         _REGISTRY[cls.__name__] = cls
+        for capability in ("travels_as_rows", "packs_in_buckets"):
+            if capability not in cls.__dict__:
+                setattr(cls, capability, False)
 
     def wire_bytes(self, num_elements: int, dtype: tf.DType = tf.float32) -> int:
         """Exact bytes of the payload for a tensor of ``num_elements`` entries of ``dtype``."""
@@ -148,10 +157,10 @@ class Compressor(abc.ABC):
         before: UnitMemory,
         iteration: tf.Tensor | int,
         tensor_id: int,
-        replicas: Replicas,
+        replicas: ReplicaGroup,
         per_replica: bool,
         sparse_update: bool,
-    ) -> Opening:
+    ) -> Started:
         """Begin one unit's exchange of ``tensor`` (the gradient, or the momentum-corrected
         gradient) with its memory ``before``: what is sent first, what the replica keeps, and
         the protocol the pipeline drives from here. ``per_replica``: every replica's
@@ -206,8 +215,13 @@ class Codec(Compressor):
         replica_id: tf.Tensor | int = 0,
     ) -> tuple[Payload, Context, tf.Tensor]:
         """Compress ``acc = tensor + residual``: ``(payload, ctx, acc - decompress(payload))``
-        (the error-feedback rule of :mod:`tf_sparsify.compressors.error_memory`)."""
-        return memory.compress_with_feedback(self, tensor, residual, step, tensor_id, replica_id)
+        (rule 2 of :mod:`tf_sparsify.compressors.error_memory`), in one pass where the codec
+        has a fused kernel (``fuses_feedback``)."""
+        if self.fuses_feedback:
+            return self.compress_compensated(tensor, residual, step, tensor_id, replica_id)
+        acc = tf.convert_to_tensor(tensor) + residual
+        payload, ctx = self.compress(acc, step, tensor_id, replica_id)
+        return payload, ctx, acc - self.decompress(payload, ctx)
 
     def decompress_sum(self, gathered: Payload, ctx: Context, num_replicas: int) -> tf.Tensor:
         """Sum of the decompressed payloads of ``num_replicas`` replicas.
@@ -225,7 +239,7 @@ class Codec(Compressor):
     ) -> tuple[tf.Tensor, tuple[tf.Tensor, ...]]:
         """``decompress(summed, ctx) / divisor`` for a payload summed over replicas, and the
         tensors the pipeline checks to agree on a bad step (by default the payload itself)."""
-        return protocol.scaled(self.decompress(summed, ctx), divisor), summed
+        return scaled(self.decompress(summed, ctx), divisor), summed
 
     def gathered_entries(self, gathered: Payload, ctx: Context) -> tuple[tf.Tensor, tf.Tensor]:
         """``(values, indices)``, both ``[replicas, k]``, of payloads gathered as for
@@ -279,30 +293,32 @@ class Codec(Compressor):
         before: UnitMemory,
         iteration: tf.Tensor | int,
         tensor_id: int,
-        replicas: Replicas,
+        replicas: ReplicaGroup,
         per_replica: bool,
         sparse_update: bool,
-    ) -> Opening:
+    ) -> Started:
         """Compress with the unit's memory (the rules of
         :mod:`tf_sparsify.compressors.error_memory`), then one
         round: the payload summed or gathered, decompressed and averaged (gathered entries with
         ``sparse_update`` when the codec sends entries)."""
         remainder = None
         if before.residual is not None:
-            payload, ctx, remainder = memory.compress_with_feedback(
-                self, tensor, before.residual, iteration, tensor_id, replicas.replica_id
+            payload, ctx, remainder = self.compress_with_feedback(
+                tensor, before.residual, iteration, tensor_id, replicas.replica_id
             )
         else:
             payload, ctx = self.compress(tensor, iteration, tensor_id, replicas.replica_id)
         with_momentum = before.momentum is not None
-        after = memory.after_sending(self, tensor, remainder, payload, ctx, with_momentum)
+        after = error_memory.after_sending(
+            tensor, remainder, lambda: self.sent_mask(payload, ctx), with_momentum
+        )
         if not self.reveals_non_finite:
-            payload = memory.mark_if_kept_non_finite(payload, after)
+            payload = error_memory.mark_if_kept_non_finite(payload, after)
         if sparse_update and self.sends_entries and not per_replica:
-            rounds = protocol.entries_round(self, payload, ctx, replicas)
+            rounds = entries_round(self, payload, ctx, replicas)
         else:
-            rounds = protocol.one_round(self, payload, ctx, replicas, per_replica)
-        return protocol.Opening(rounds, ctx, payload, after)
+            rounds = one_round(self, payload, ctx, replicas, per_replica)
+        return Started(rounds, ctx, payload, after)
 
 
 class MultiRoundMethod(Compressor):
@@ -319,10 +335,10 @@ class MultiRoundMethod(Compressor):
         before: UnitMemory,
         iteration: tf.Tensor | int,
         tensor_id: int,
-        replicas: Replicas,
+        replicas: ReplicaGroup,
         per_replica: bool,
         sparse_update: bool,
-    ) -> Opening:
+    ) -> Started:
         """The protocol of :meth:`rounds`; nothing is sent before it starts."""
         if per_replica:
             raise ValueError(
@@ -332,7 +348,7 @@ class MultiRoundMethod(Compressor):
             )
         ctx = Context(tensor.shape, tensor.dtype, iteration, tensor_id)
         rounds = self.rounds(tensor, before.residual, before.compressor_state, ctx, replicas)
-        return protocol.Opening(rounds, ctx)
+        return Started(rounds, ctx)
 
     @abc.abstractmethod
     def rounds(
@@ -341,8 +357,8 @@ class MultiRoundMethod(Compressor):
         residual: tf.Tensor | None,
         state: tuple[tf.Tensor, ...],
         ctx: Context,
-        replicas: Replicas,
-    ) -> Protocol:
+        replicas: ReplicaGroup,
+    ) -> Rounds:
         """Compress ``tensor`` (plus ``residual`` with error feedback), yield transfers, and
         return the :class:`~tf_sparsify.compressors.rounds.Outcome` (update divided by the
         divisor, new residual, new state). ``state`` holds the tensors of :meth:`state_specs`."""
@@ -410,13 +426,19 @@ def check_contraction(compressor: Compressor, num_elements: int) -> float | None
     )
 
 
-def k_for(num_elements: int, ratio: float | None, k: int | None) -> int:
+def k_for(num_elements: int | tf.Tensor, ratio: float | None, k: int | None) -> int | tf.Tensor:
     """Entries to keep: ``k`` clamped to the tensor size, else ``max(1, ceil(ratio * d))``
     (at most ``d``) computed exactly with the ratio's decimal value (:func:`decimal_ratio`):
-    ``ratio=0.07`` keeps 7 of 100. The one rule for every compressor that takes a ratio."""
+    ``ratio=0.07`` keeps 7 of 100. The one rule for every compressor that takes a ratio; ``d``
+    may be an int64 tensor (rows touched in a step), and then so is the result."""
+    low, high = (tf.minimum, tf.maximum) if tf.is_tensor(num_elements) else (min, max)
     if k is not None:
-        return min(k, num_elements)
-    return min(num_elements, max(1, math.ceil(decimal_ratio(ratio) * num_elements)))
+        return low(
+            tf.cast(k, num_elements.dtype) if tf.is_tensor(num_elements) else k, num_elements
+        )
+    exact = decimal_ratio(ratio)
+    ceiling = (exact.numerator * num_elements + exact.denominator - 1) // exact.denominator
+    return low(num_elements, high(ceiling, low(num_elements, 1)))
 
 
 def rng_seed(

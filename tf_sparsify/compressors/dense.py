@@ -15,6 +15,8 @@ __all__ = ["BF16", "FP16", "Identity", "saturating_cast"]
 class Identity(Codec):
     """No compression: the payload is the tensor itself."""
 
+    travels_as_rows = True
+
     unbiased = True
     summable = True
     is_identity = True
@@ -101,12 +103,16 @@ class _Cast(Codec):
 class FP16(_Cast):
     """Send float16 (10-bit mantissa: ``u = 2**-11``; largest finite value 65504)."""
 
+    travels_as_rows = True
+
     wire_dtype = tf.float16
     unit_roundoff = 2.0**-11
 
 
 class BF16(_Cast):
     """Send bfloat16 (7-bit mantissa: ``u = 2**-8``; largest finite value about 3.39e38)."""
+
+    travels_as_rows = True
 
     wire_dtype = tf.bfloat16
     unit_roundoff = 2.0**-8

@@ -14,7 +14,7 @@ from tf_sparsify.common.checks import check_int, check_seed
 from tf_sparsify.common.dtypes import dtype_bytes
 from tf_sparsify.compressors.base import Context, MultiRoundMethod, rng_seed
 from tf_sparsify.compressors.error_memory import mark_non_finite
-from tf_sparsify.compressors.rounds import SUM, Outcome, Protocol, Replicas, Transfer, scaled
+from tf_sparsify.compressors.rounds import SUM, Outcome, ReplicaGroup, Rounds, Transfer, scaled
 from tf_sparsify.ops import xla
 
 
@@ -109,8 +109,8 @@ class PowerSGD(MultiRoundMethod):
         residual: tf.Tensor | None,
         state: tuple[tf.Tensor, ...],
         ctx: Context,
-        replicas: Replicas,
-    ) -> Protocol:
+        replicas: ReplicaGroup,
+    ) -> Rounds:
         acc = tensor if residual is None else tensor + residual
         dims = self.matrix_shape(acc.shape)
         if dims is None:
@@ -129,9 +129,9 @@ class PowerSGD(MultiRoundMethod):
         feedback: bool,
         q: tf.Tensor,
         ctx: Context,
-        replicas: Replicas,
+        replicas: ReplicaGroup,
         dims: tuple[int, int],
-    ) -> Protocol:
+    ) -> Rounds:
         matrix = tf.reshape(tf.cast(acc, q.dtype), dims)
         (p,) = yield Transfer(SUM, (tf.matmul(matrix, self._warm_start(q, ctx)),))
         p_hat = orthonormal_columns(p)
@@ -184,7 +184,7 @@ def _nonzero(scale: tf.Tensor) -> tf.Tensor:
     return tf.where(scale > 0, scale, tf.ones_like(scale))
 
 
-def _dense(acc: tf.Tensor, feedback: bool, replicas: Replicas) -> Protocol:
+def _dense(acc: tf.Tensor, feedback: bool, replicas: ReplicaGroup) -> Rounds:
     """One all-reduce of the whole tensor; nothing is left over."""
     (total,) = yield Transfer(SUM, (acc,))
     remainder = tf.zeros_like(acc) if feedback else None

@@ -37,7 +37,7 @@ class Transfer:
 
 
 @dataclasses.dataclass(frozen=True)
-class Replicas:
+class ReplicaGroup:
     """What a protocol knows of the collective: the replica count, this replica's id, and the
     divisor that turns a sum of contributions into the update."""
 
@@ -61,16 +61,16 @@ class Outcome:
     shared: tuple[tf.Tensor, ...] = ()
 
 
-Protocol = Generator[Transfer, tuple[tf.Tensor, ...], Outcome]
+Rounds = Generator[Transfer, tuple[tf.Tensor, ...], Outcome]
 
 
 @dataclasses.dataclass(frozen=True)
-class Opening:
+class Started:
     """How one unit's exchange starts (``Compressor.start``): the protocol to drive, the
     context, what is sent in the first round (a codec's payload) and what the replica keeps
     already known before any transfer (a codec's remainder and momentum)."""
 
-    protocol: Protocol
+    rounds: Rounds
     ctx: Any
     payload: tuple[tf.Tensor, ...] = ()
     after: UnitMemory = UnitMemory()
@@ -103,7 +103,7 @@ class SparseUpdate:
         return self.values[:, start : start + k], self.indices[:, start : start + k]
 
 
-def one_round(codec, payload, ctx, replicas: Replicas, per_replica: bool) -> Protocol:
+def one_round(codec, payload, ctx, replicas: ReplicaGroup, per_replica: bool) -> Rounds:
     """A codec's protocol: the payload is summed (summable codecs) or gathered, then
     decompressed and divided by the divisor (``per_replica``: every replica's contribution
     stacked)."""
@@ -121,7 +121,7 @@ def one_round(codec, payload, ctx, replicas: Replicas, per_replica: bool) -> Pro
     return Outcome(scaled(total, replicas.divisor), shared=received)
 
 
-def entries_round(codec, payload, ctx, replicas: Replicas) -> Protocol:
+def entries_round(codec, payload, ctx, replicas: ReplicaGroup) -> Rounds:
     """The protocol of a codec that sends entries: gathered, ending in a :class:`SparseUpdate`
     of the gathered entries."""
     received = yield Transfer(GATHER, payload)

@@ -22,8 +22,8 @@ from tf_sparsify.compressors.rounds import (
     ALL_TO_ALL,
     GATHER_ROWS,
     Outcome,
-    Protocol,
-    Replicas,
+    ReplicaGroup,
+    Rounds,
     Transfer,
     scaled,
 )
@@ -113,8 +113,8 @@ class SparseAllReduce(MultiRoundMethod):
         residual: tf.Tensor | None,
         state: tuple[tf.Tensor, ...],
         ctx: Context,
-        replicas: Replicas,
-    ) -> Protocol:
+        replicas: ReplicaGroup,
+    ) -> Rounds:
         n = ctx.num_elements
         flat = tf.reshape(tensor, [-1])
         kept = tf.zeros_like(flat) if residual is None else tf.reshape(residual, [-1])

@@ -45,6 +45,9 @@ class TopK(Codec):
     bfloat16's -1.30406e-38 and keeps 0, losing 2.9e-41), on every device alike.
     """
 
+    travels_as_rows = True
+    packs_in_buckets = True
+
     unbiased = False
     summable = False
     reveals_non_finite = True  # NaN and Inf rank above every finite value: they are sent
@@ -156,13 +159,17 @@ def _check_value_dtype(value_dtype: str | tf.DType | None) -> str | None:
 def _keep_error(
     residual: tf.Tensor, indices: tf.Tensor, values: tf.Tensor, sent: tf.Tensor, ctx: Context
 ) -> tf.Tensor:
-    """``residual`` (0 at the sent ``indices``) plus ``values - sent`` there, exactly (the
-    difference of a value and its rounding is exact in the value's dtype); 0 where a value is
-    Inf or NaN (the difference is NaN) and where the error is below the dtype's smallest normal
-    number (flushed as TF's CPU subtraction does, on every device). A ScatterSum and an add:
+    """``residual`` (0 at the sent ``indices``) plus the :func:`rounding_error` there (the
+    difference of a value and its rounding is exact in the value's dtype). A ScatterSum and an add:
     TF's scatter ops copy the residual and take ~150 ns per index on CPU (16 ms at 100k indices
     against 6 ms for this)."""
+    return residual + _scatter(rounding_error(values, sent), indices, ctx)
+
+
+def rounding_error(values: tf.Tensor, sent: tf.Tensor) -> tf.Tensor:
+    """What stays of ``values`` sent as ``sent`` (their rounding to the wire dtype): the exact
+    difference, 0 where a value is Inf or NaN and where the error is below the dtype's
+    smallest normal number (flushed as TF's CPU subtraction does, on every device)."""
     error = values - tf.cast(sent, values.dtype)
     tiny = tf.constant(np.finfo(values.dtype.as_numpy_dtype).tiny, values.dtype)
-    error = tf.where(tf.abs(error) >= tiny, error, tf.zeros_like(error))  # False for NaN
-    return residual + _scatter(error, indices, ctx)
+    return tf.where(tf.abs(error) >= tiny, error, tf.zeros_like(error))  # False for NaN

@@ -27,20 +27,20 @@ from tf_sparsify.compressors.error_memory import UnitMemory
 from tf_sparsify.compressors.rounds import (
     GATHER,
     Outcome,
-    Protocol,
-    Replicas,
+    ReplicaGroup,
+    Rounds,
     SparseUpdate,
     Transfer,
 )
 from tf_sparsify.compressors.topk import TopK
 
 
-def packs(compressor: object, dtype: tf.DType) -> bool:
-    """Whether units of ``compressor`` with error feedback can travel packed: a plain
-    :class:`TopK` sending values in the tensor's dtype, on a machine without GPUs (the packed
-    ops run on the CPU; on a GPU each tensor keeps the GPU kernel)."""
+def packs(compressor: TopK, dtype: tf.DType) -> bool:
+    """Whether units of ``compressor`` (``packs_in_buckets``) with error feedback can travel
+    packed: values sent in the tensor's dtype, on a machine without GPUs (the packed ops run on
+    the CPU; on a GPU each tensor keeps the GPU kernel)."""
     return (
-        type(compressor) is TopK
+        compressor.packs_in_buckets
         and compressor.wire_dtype(dtype) == dtype
         and not tf.config.list_logical_devices("GPU")
     )
@@ -50,9 +50,9 @@ def start(
     units: Sequence,
     grads: Sequence[tf.Tensor],
     residuals: Sequence[tf.Tensor],
-    replicas: Replicas,
+    replicas: ReplicaGroup,
     sparse_updates: bool,
-) -> tuple[tuple[tf.Tensor, tf.Tensor], Protocol, UnitMemory]:
+) -> tuple[tuple[tf.Tensor, tf.Tensor], Rounds, UnitMemory]:
     """Compress the one-variable TopK ``units`` (with their ``grads`` and ``residuals``)
     together: the packed payload, the protocol that gathers and decompresses it (its update is
     a list, one entry per unit), and what is kept (the residuals, a list)."""
@@ -73,9 +73,9 @@ def _rounds(
     payload: tuple[tf.Tensor, tf.Tensor],
     shapes: list[tf.TensorShape],
     sizes: list[tuple[int, int]],
-    replicas: Replicas,
+    replicas: ReplicaGroup,
     sparse_updates: bool,
-) -> Protocol:
+) -> Rounds:
     """One gather of the packed payload, then every unit's update at once."""
     values, code = yield Transfer(GATHER, payload)
     ks = [k for _, k in sizes]

@@ -23,7 +23,9 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify.compressors.base import Compressor
+from tf_sparsify.compressors.base import Codec, Compressor
+from tf_sparsify.core.plan import Unit, planned
+from tf_sparsify.core.routes.route import Message
 
 STAT_NAMES = ("grad_sq", "input_sq", "error_sq", "sent", "grad_error_sq")
 
@@ -41,6 +43,52 @@ def unit_stats(
     error_sq = sq(error)
     grad_error_sq = error_sq if grad_error is None else sq(grad_error)
     return tf.stack([sq(grad), sq(x), error_sq, tf.cast(sent, tf.float64), grad_error_sq])
+
+
+def measure_step(
+    units: Sequence[Unit],
+    messages: Sequence[Message],
+    flag: tf.Tensor | bool,
+    iteration: tf.Tensor,
+    replica_id: tf.Tensor,
+) -> tf.Tensor:
+    """``[len(units), 5]`` stats rows of this replica, computed only when ``flag`` is True
+    (zeros otherwise; zeros too for a unit none of whose variables had a gradient)."""
+    width = len(STAT_NAMES)
+    by_unit = {planned(units, m.unit).indices: m for m in messages}
+
+    def compute() -> tf.Tensor:
+        rows = []
+        for unit in units:
+            m = by_unit.get(unit.indices)
+            rows.append(
+                tf.zeros([width], tf.float64) if m is None else _stats(m, iteration, replica_id)
+            )
+        return tf.stack(rows) if rows else tf.zeros([0, width], tf.float64)
+
+    def skip() -> tf.Tensor:
+        return tf.zeros([len(units), width], tf.float64)
+
+    return tf.cond(tf.convert_to_tensor(flag, tf.bool), compute, skip)
+
+
+def _stats(m: Message, iteration: tf.Tensor, replica_id: tf.Tensor) -> tf.Tensor:
+    """One message's :func:`unit_stats` (it went the dense route: measured steps keep every
+    unit's joined gradient)."""
+    compressor = m.unit.compressor
+    acc = m.x if m.before.residual is None else m.x + m.before.residual
+    error = m.after.residual
+    if not isinstance(compressor, Codec):  # no local payload: the residual only
+        error = tf.zeros_like(acc) if error is None else error
+        return unit_stats(m.grad, acc, error, tf.zeros_like(m.grad))
+    if error is None:
+        error = acc - compressor.decompress(m.payload, m.ctx)
+    if compressor.is_identity:
+        grad_error = tf.zeros_like(m.grad)
+    else:  # the same compressor on the fresh gradient alone
+        fresh, fresh_ctx = compressor.compress(m.grad, iteration, m.unit.indices[0], replica_id)
+        grad_error = m.grad - compressor.decompress(fresh, fresh_ctx)
+    return unit_stats(m.grad, acc, error, grad_error)
 
 
 def gap_bound(compressor: Compressor, num_elements: int) -> float | None:

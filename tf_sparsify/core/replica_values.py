@@ -20,6 +20,8 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from tf_sparsify.core.state_kinds import StateKind
+
 
 def is_multi_worker(strategy: tf.distribute.Strategy | None) -> bool:
     """Whether ``strategy`` spans more than this process (replicas on other workers)."""
@@ -115,11 +117,6 @@ def replica_count(variable) -> int:
     return 1 if parts is None else len(parts)
 
 
-def _is_summed(variable) -> bool:
-    value = _distributed(variable)
-    return value.aggregation == tf.VariableAggregation.SUM
-
-
 def saved_value(variable) -> np.ndarray:
     """What to save for ``variable``: its replicas' values stacked, or its value."""
     parts = _replica_parts(variable)
@@ -142,28 +139,30 @@ def check_restorable(variable, saved: np.ndarray, name: str) -> None:
 
 
 def restore(variable, saved: np.ndarray, name: str) -> None:
-    """Assign ``saved`` (from :func:`saved_value`, checked by :func:`check_restorable`)."""
+    """Assign ``saved`` (from :func:`saved_value`, checked by :func:`check_restorable`); saved
+    for another number of replicas, each value's total is conserved
+    (:meth:`~tf_sparsify.core.state_kinds.StateKind.resized`)."""
     saved = np.asarray(saved)
     parts = _replica_parts(variable)
     stacked = saved.ndim == len(variable.shape) + 1
     if parts is None:
         if stacked:
             _warn_conserved(name, len(saved), 1)
-            saved = saved.sum(0) if _is_summed(variable) else saved.mean(0)
+            saved = _kind(variable).resized(saved, 1)[0]
         variable.assign(saved)
         return
     if stacked and len(saved) == len(parts):
-        rows = list(saved)
+        rows = saved
     else:
-        count = len(saved) if stacked else 1
-        _warn_conserved(name, count, len(parts))
-        if _is_summed(variable):
-            total = saved.sum(0) if stacked else saved
-            rows = [total / len(parts)] * len(parts)
-        else:
-            rows = [saved.mean(0) if stacked else saved] * len(parts)
+        _warn_conserved(name, len(saved) if stacked else 1, len(parts))
+        rows = _kind(variable).resized(saved if stacked else saved[None], len(parts))
     for part, row in zip(parts, rows, strict=True):
         part.assign(row.astype(part.dtype.as_numpy_dtype))
+
+
+def _kind(variable) -> StateKind:
+    """The per-replica kind of a sync-on-read variable, by its aggregation."""
+    return StateKind.of_aggregation(_distributed(variable).aggregation)
 
 
 def _warn_conserved(name: str, saved: int, now: int) -> None:

@@ -15,17 +15,20 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
-from tf_sparsify.collectives.base import Collective, SimulatedWorkerCollective
+from tf_sparsify.collectives import Collective
 from tf_sparsify.common.checks import check_int
-from tf_sparsify.compressors import error_memory as memory
-from tf_sparsify.compressors.base import MultiRoundMethod
 from tf_sparsify.core import replica_values
-from tf_sparsify.core.checkpoint import Entry, StateCheckpoint
+from tf_sparsify.core.checkpoint import StateCheckpoint
+from tf_sparsify.core.checkpoint_manifest import Entry
 from tf_sparsify.core.measurements import STAT_NAMES
-from tf_sparsify.core.pipeline import GradientPipeline, StepResult, Unit, bytes_per_step
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.plan import Unit, bytes_per_step
+from tf_sparsify.core.state_kinds import StateKind, VariableFactory
+from tf_sparsify.core.step import GradientKind, StepFlags, StepMemory, StepResult
 from tf_sparsify.core.transport import Transport
 
 
@@ -48,7 +51,7 @@ class CompressionState:
     def __init__(
         self,
         pipeline: GradientPipeline,
-        make_variable: memory.VariableFactory,
+        make_variable: VariableFactory,
         transport: Transport | None = None,
         step=None,
         also_saved: Callable[[], list[Entry]] | None = None,
@@ -72,21 +75,14 @@ class CompressionState:
         self.saved: list[Entry] = []
         self._also_saved = also_saved or (lambda: [])
         #: the checkpoint entry of this state (front ends track it)
-        self.checkpoint = StateCheckpoint(
-            entries=lambda: self._also_saved() + self.saved,
-            config=self._config,
-            rows=self.transport.checkpoint_rows,
-            built=lambda: self.built,
-            step=lambda: self.step,
-            gather=self.transport.gather_rows_when_saving,
-        )
+        self.checkpoint = StateCheckpoint(self)
 
     @property
     def built(self) -> bool:
         return self.bytes_sent is not None
 
     def new_variable(
-        self, key: str, shape, dtype, kind: str, name: str | None = None, about: str = ""
+        self, key: str, shape, dtype, kind: StateKind, name: str | None = None, about: str = ""
     ):
         """A zero variable named ``name`` (``key`` by default), saved in checkpoints under
         ``key``; ``about`` names what it belongs to (a model variable's path) in messages."""
@@ -94,7 +90,11 @@ class CompressionState:
         self.saved.append(Entry(key, variable, kind, about))
         return variable
 
-    def _config(self) -> dict:
+    def saved_entries(self) -> list[Entry]:
+        """What the checkpoint entry holds: the front end's variables, then the state's."""
+        return self._also_saved() + self.saved
+
+    def config(self) -> dict:
         """The configuration a checkpoint records (compressor and options, as JSON values)."""
         return json.loads(json.dumps(self.pipeline.get_config(), sort_keys=True, default=str))
 
@@ -107,7 +107,7 @@ class CompressionState:
     def collective(self, grads: Sequence | None = None) -> Collective:
         """The transport's collective for a step on ``grads`` (``None``: every variable has
         a dense gradient)."""
-        present = None if grads is None else tuple(gradient_kind(g) for g in grads)
+        present = None if grads is None else tuple(GradientKind.of(g) for g in grads)
         return self.transport.collective(self.pipeline, self.units, present)
 
     # -- state --------------------------------------------------------------------------------
@@ -127,7 +127,12 @@ class CompressionState:
         def buffers(needs: list[bool], slot: str) -> list:
             return [
                 self.new_variable(
-                    f"{slot}/{i}", lead + tuple(s), d, "per_replica", f"{leaf}_{slot}", names[i]
+                    f"{slot}/{i}",
+                    lead + tuple(s),
+                    d,
+                    StateKind.PER_REPLICA,
+                    f"{leaf}_{slot}",
+                    names[i],
                 )
                 if need
                 else None
@@ -147,7 +152,7 @@ class CompressionState:
                     f"compressor_state/{n}/{j}",
                     tuple(shape),
                     dtype,
-                    "replicated",
+                    StateKind.REPLICATED,
                     f"{leaves[u.indices[0]]}_state{j}",
                     name,
                 )
@@ -156,9 +161,9 @@ class CompressionState:
             for n, (u, name) in enumerate(zip(self.units, self.names, strict=True))
         ]
         if self.step is None:
-            self.step = self.new_variable("step", (), tf.int64, "shared")
-        self.bytes_sent = self.new_variable("bytes_sent", (), tf.int64, "shared")
-        self.dense_bytes = self.new_variable("dense_bytes", (), tf.int64, "shared")
+            self.step = self.new_variable("step", (), tf.int64, StateKind.SHARED)
+        self.bytes_sent = self.new_variable("bytes_sent", (), tf.int64, StateKind.SHARED)
+        self.dense_bytes = self.new_variable("dense_bytes", (), tf.int64, StateKind.SHARED)
         if self.diagnostics_every:
             self._build_diagnostics()
 
@@ -174,9 +179,11 @@ class CompressionState:
             width = len(STAT_NAMES)
             shape = (len(self.units), width)
             self.diagnostics = self.new_variable(
-                "diagnostics", shape, tf.float64, "per_replica_mean"
+                "diagnostics", shape, tf.float64, StateKind.PER_REPLICA_MEAN
             )
-            self.diagnostics_step = self.new_variable("diagnostics_step", (), tf.int64, "shared")
+            self.diagnostics_step = self.new_variable(
+                "diagnostics_step", (), tf.int64, StateKind.SHARED
+            )
 
     def set_pipeline(self, pipeline: GradientPipeline, variables: Sequence | None) -> None:
         """Use ``pipeline`` from now on; when built (``variables`` given), its plan must need
@@ -216,67 +223,33 @@ class CompressionState:
         ``per_replica``: every replica's (or simulated worker's) contribution is returned
         along a leading axis (for delayed updates and IAG). ``finish``: what a front end does
         with the step's result before the state is written (its updates and ``finite`` count).
-        ``sparse_updates``: see :meth:`GradientPipeline.run_step` (not for simulated workers).
-        ``collective`` turns ``grads`` into the transport's layout and the result back.
+        ``sparse_updates``: see :class:`~tf_sparsify.core.step.StepFlags`. The collective's
+        layout turns ``grads`` into the planned layout and the updates back.
         """
         if self.transport.mean_only and (per_replica or finish is not None or sparse_updates):
             raise ValueError(
                 f"{type(self.transport).__name__} returns the averaged dense update only."
             )
-        grads = collective.enter(list(grads))
+        grads = collective.layout.to_layout(list(grads))
         record = None
         if self.diagnostics is not None:
             record = tf.equal(self.step % self.diagnostics_every, 0)
-        if self.workers is None:
-            result = self.pipeline.run_step(
-                self.units,
-                grads,
-                self.residuals,  # read by the pipeline: a unit sent as rows reads its rows only
-                self.step,
-                collective,
-                momenta=_values(self.momenta) if self.pipeline.momentum_correction else None,
-                measure=record,
-                per_replica=per_replica,
-                states=[_values(list(s)) for s in self.states],
-                sparse_updates=sparse_updates,
-            )
-        else:
-            result = self._run_workers(grads, record)
-        result = collective.leave(result)
+        memory = StepMemory(
+            self.residuals,  # read by the routes: a unit sent as rows reads its rows only
+            self.step,
+            _values(self.momenta) if self.pipeline.options.momentum_correction else None,
+            [_values(list(s)) for s in self.states],
+        )
+        flags = StepFlags(record, per_replica, sparse_updates)
+        result = self.transport.run_pipeline(
+            self.pipeline, self.units, grads, memory, collective, flags
+        )
+        updates, finite = collective.layout.from_layout(result.updates, result.finite)
+        result = dataclasses.replace(result, updates=updates, finite=finite)
         if finish is not None:
             result = finish(result)
         self._write_back(result, record)
         return result
-
-    def _run_workers(self, grads: list, record) -> StepResult:
-        """The pipeline once per simulated worker, each with its row of the buffers."""
-        if any(isinstance(u.compressor, MultiRoundMethod) for u in self.units):
-            raise ValueError(
-                f"compressor={self.pipeline.compressor!r} runs its own exchange, which simulated "
-                "workers cannot split per worker."
-            )
-        for g in grads:
-            if g is not None and g.shape[0] != self.workers:
-                raise ValueError(
-                    f"With workers={self.workers}, gradients must be stacked per worker "
-                    f"([{self.workers}, ...]); received a gradient of shape {tuple(g.shape)}."
-                )
-        residuals, momenta = _values(self.residuals), _values(self.momenta)
-        use_momenta = self.pipeline.momentum_correction > 0
-        parts = [
-            self.pipeline.run_step(
-                self.units,
-                _row(grads, p),
-                _row(residuals, p),
-                self.step,
-                SimulatedWorkerCollective(p, self.workers),
-                momenta=_row(momenta, p) if use_momenta else None,
-                measure=record,
-                per_replica=True,
-            )
-            for p in range(self.workers)
-        ]
-        return _stack_workers(parts)
 
     def _write_back(self, result: StepResult, record) -> None:
         """Buffers only when the step was finite everywhere; counters always."""
@@ -291,7 +264,7 @@ class CompressionState:
         for variables, news in zip(self.states, result.states or [], strict=False):
             if news:
                 pairs += list(zip(variables, news, strict=True))
-        memory.store_if_finite(pairs, result.finite)
+        store_if_finite(pairs, result.finite)
         if record is not None:
             self.diagnostics.assign(
                 tf.where(record, result.stats, tf.convert_to_tensor(self.diagnostics))
@@ -302,82 +275,6 @@ class CompressionState:
         self.bytes_sent.assign_add(result.sent_bytes[0])
         self.dense_bytes.assign_add(result.sent_bytes[1])
         self.step.assign_add(1)
-
-
-class StateViews:
-    """Read-only views of an ``CompressionState`` held as ``self._state``, shared by the front
-    ends (the Keras optimizers and Horovod's ``GradientExchange``)."""
-
-    _state: CompressionState
-
-    @property
-    def exchange_checkpoint(self) -> StateCheckpoint:
-        """The checkpoint entry of the exchange state (every replica's rows, checked before
-        a restore assigns anything; see :mod:`tf_sparsify.core.checkpoint`)."""
-        return self._state.checkpoint
-
-    @property
-    def units(self) -> list[Unit]:
-        """The planned messages (:class:`~tf_sparsify.core.pipeline.Unit`) of one step."""
-        return list(self._state.units)
-
-    @property
-    def residuals(self) -> list:
-        """The residual variable of each variable (``None`` where there is none)."""
-        return list(self._state.residuals)
-
-    @property
-    def momenta(self) -> list:
-        """The momentum buffer of each variable (momentum correction), or ``None``."""
-        return list(self._state.momenta)
-
-    @property
-    def exchange_steps(self):
-        """The number of exchanges done (it keys random choices)."""
-        return self._state.step
-
-    @property
-    def bytes_sent(self):
-        """Payload bytes this replica sent, summed over steps."""
-        return self._state.bytes_sent
-
-    @property
-    def dense_bytes(self):
-        """What the same steps would have sent uncompressed."""
-        return self._state.dense_bytes
-
-    @property
-    def wire_bytes_per_step(self) -> int:
-        """Payload bytes of a step in which every variable has a gradient."""
-        return self._state.bytes_per_step[0]
-
-    @property
-    def dense_bytes_per_step(self) -> int:
-        return self._state.bytes_per_step[1]
-
-    @property
-    def diagnostics(self):
-        """The ``[units, 5]`` diagnostics record (``None`` until enabled and built); rows follow
-        :attr:`diagnostics_names`, columns :data:`~tf_sparsify.core.measurements.STAT_NAMES`."""
-        return self._state.diagnostics
-
-    @property
-    def diagnostics_step(self):
-        """The number of steps done when the diagnostics were last recorded (0: never)."""
-        return self._state.diagnostics_step
-
-    @property
-    def diagnostics_names(self) -> tuple[str, ...]:
-        """The name of each planned message: the variable's path, or ``global_<dtype>``."""
-        return self._state.names
-
-
-def gradient_kind(grad) -> bool | str:
-    """What a transport's ``present`` holds for a gradient: ``False`` (none), ``True`` (dense)
-    or ``"rows"`` (``tf.IndexedSlices``, which may travel as rows)."""
-    if grad is None:
-        return False
-    return "rows" if isinstance(grad, tf.IndexedSlices) else True
 
 
 def _leaf(name: str) -> str:
@@ -398,28 +295,20 @@ def _values(variables: list) -> list:
     return [None if v is None else tf.convert_to_tensor(v) for v in variables]
 
 
-def _row(tensors: list, p: int) -> list:
-    return [None if t is None else tf.convert_to_tensor(t)[p] for t in tensors]
+def store_if_finite(pairs: Sequence[tuple[Any, tf.Tensor]], finite: tf.Tensor) -> None:
+    """Assign each ``(variable, new value)`` pair only when ``finite`` (the step was finite on
+    every replica): a bad step leaves the memory as it was (rule 4 of
+    :mod:`tf_sparsify.compressors.error_memory`). A value given as ``tf.IndexedSlices`` writes
+    only its rows (a sparse gradient's touched rows)."""
+    if not pairs:
+        return
 
+    def store() -> tf.Tensor:
+        for variable, value in pairs:
+            if isinstance(value, tf.IndexedSlices):
+                replica_values.write_rows(variable, value)
+            else:
+                variable.assign(value)
+        return tf.constant(True)
 
-def _stack_workers(parts: list[StepResult]) -> StepResult:
-    """One StepResult for all simulated workers: contributions ``[P, ...]``, buffers stacked."""
-
-    def join(lists, combine):
-        return [
-            None if column[0] is None else combine(list(column))
-            for column in zip(*lists, strict=True)
-        ]
-
-    first = parts[0]
-    stats = None
-    if first.stats is not None:
-        stats = tf.reduce_mean(tf.stack([r.stats for r in parts]), axis=0)
-    return dataclasses.replace(
-        first,
-        updates=join([r.updates for r in parts], lambda ts: tf.concat(ts, axis=0)),
-        residuals=join([r.residuals for r in parts], tf.stack),
-        finite=tf.reduce_all(tf.stack([r.finite for r in parts])),
-        momenta=None if first.momenta is None else join([r.momenta for r in parts], tf.stack),
-        stats=stats,
-    )
+    tf.cond(finite, store, lambda: tf.constant(False))

@@ -1,15 +1,17 @@
 """How a front end's exchange reaches the other replicas: a ``Transport``, made once per front end.
 
-A :class:`~tf_sparsify.collectives.base.Collective` moves one step's tensors. A transport is what a
-front end holds for its whole life and passes to its
+A :class:`~tf_sparsify.collectives.base.Collective` moves one step's tensors. A transport is
+what a front end holds for its whole life and passes to its
 :class:`~tf_sparsify.core.state.CompressionState`:
 
 - it hands each step its collective (:meth:`Transport.collective`);
 - it may keep per-process state that must never be checkpointed, because it decides whether a
   collective runs (Horovod's plan check, its byte counters);
 - it may show the state core another layout of the variables (:meth:`Transport.layout`: the
-  hierarchical exchange's shards), whose collective then turns the step's gradients into that
-  layout and the updates back (:meth:`Collective.enter` / :meth:`Collective.leave`).
+  hierarchical exchange's shards), whose collective's
+  :class:`~tf_sparsify.collectives.layout.Layout` then turns the step's gradients into that
+  layout and the updates back;
+- it runs the pipeline (:meth:`Transport.run_pipeline`: once, or once per simulated worker).
 
 Every front end takes one: ``SparsifiedOptimizer(..., transport=...)``,
 ``GradientExchange(..., transport=...)``; Horovod's front ends are these with a
@@ -24,10 +26,11 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify.collectives.base import Collective, current_collective
-from tf_sparsify.common.checks import check_int
+from tf_sparsify.collectives import Collective, current_collective
 from tf_sparsify.core import replica_values
-from tf_sparsify.core.pipeline import GradientPipeline, Unit
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.plan import Unit
+from tf_sparsify.core.step import GradientKind, StepFlags, StepMemory, StepResult
 
 
 class Transport:
@@ -60,14 +63,25 @@ class Transport:
         self,
         pipeline: GradientPipeline,
         units: Sequence[Unit],
-        present: Sequence[bool] | None = None,
+        present: Sequence[GradientKind] | None = None,
     ) -> Collective:
         """The collective of one step that runs ``pipeline`` on ``units``; ``present`` says
-        which variables have a gradient in this step (``None``: all): per variable ``False``,
-        ``True``, or ``"rows"`` for an ``IndexedSlices`` gradient (which may travel as rows,
-        :mod:`tf_sparsify.core.sparse_rows`)."""
+        what each variable's gradient is in this step (``None``: all dense)."""
         del pipeline, units, present
         return current_collective()
+
+    def run_pipeline(
+        self,
+        pipeline: GradientPipeline,
+        units: Sequence[Unit],
+        grads: list,
+        memory: StepMemory,
+        collective: Collective,
+        flags: StepFlags,
+    ) -> StepResult:
+        """One pipeline step on the step's gradients (in the planned layout): once, on this
+        replica's buffers (simulated workers run it once per worker)."""
+        return pipeline.run(units, grads, memory, collective, flags)
 
     def checkpoint_rows(self, local: int) -> tuple[int, int]:
         """``(first, world)``: the index of this process's first row of a per-replica
@@ -88,12 +102,3 @@ class Transport:
         if not replica_values.is_multi_worker(strategy):
             return None
         return {key: replica_values.gather_rows(strategy, value) for key, value in rows.items()}
-
-
-class SimulatedWorkersTransport(Transport):
-    """``count`` workers simulated on one replica: the state keeps every worker's buffers along
-    a leading axis, runs the pipeline once per worker and stacks their contributions (see
-    :class:`~tf_sparsify.distribute.ServerOptimizer` with ``workers``)."""
-
-    def __init__(self, count: int):
-        self.simulated_workers = check_int("workers", count)

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tf_sparsify.compressors.base import serialize
-from tf_sparsify.core.pipeline import GradientPipeline, Unit
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.plan import Unit
+from tf_sparsify.core.step import GradientKind
 from tf_sparsify.horovod._hvd import hvd
 
 #: What the fingerprint covers, in the order mismatches are reported.
@@ -34,20 +36,20 @@ def plan_fields(
     pipeline: GradientPipeline,
     units: Sequence[Unit],
     ranks_per_node: int | None = None,
-    present: Sequence[bool | str] | None = None,
+    present: Sequence[GradientKind] | None = None,
 ) -> list[tuple[str, str]]:
     """``(field, description)`` pairs of a plan, aligned with :data:`FIELDS`
     (``ranks_per_node``: the hierarchical exchange's, ``None`` for the flat one; ``present``:
-    which variables have a gradient in the step, ``None`` for all; ``"rows"`` marks an
-    ``IndexedSlices`` gradient).
+    what each variable's gradient is in the step, ``None`` for all dense).
 
     A variable's payload travels only from ranks that have its gradient, so ranks that differ
     in which gradients are ``None`` would wait for each other forever: they fail here. So do
     ranks where one variable's gradient is sparse on some and dense on others (their payloads
     travel by different collectives). How many rows a sparse gradient touches is not part of
     the plan: it differs by step and rank, and its all-gather takes any row count."""
-    missing = [] if present is None else [i for i, p in enumerate(present) if not p]
-    sparse = [] if present is None else [i for i, p in enumerate(present) if p == "rows"]
+    present = present or ()
+    missing = [i for i, p in enumerate(present) if p is GradientKind.ABSENT]
+    sparse = [i for i, p in enumerate(present) if p is GradientKind.ROWS]
     options = {k: v for k, v in pipeline.get_config().items() if k != "compressor"}
     variables = sorted(
         (i, s.as_list(), u.dtype.name)

@@ -22,12 +22,15 @@ What Horovod 0.28.1 takes, and what this collective does about the rest:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from tf_sparsify import ops
-from tf_sparsify.collectives.base import Collective
+from tf_sparsify.collectives import Collective, SimulatedWorkerCollective
+from tf_sparsify.collectives.sharded import Shard, ShardedLayout
+from tf_sparsify.collectives.wire import as_bytes, flat_bytes, from_bytes
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.ops.xla import in_xla_context
 
@@ -99,7 +102,7 @@ class HorovodCollective(Collective):
         other = [i for i in range(len(tensors)) if i not in native]
         if other:
             sent = _gatherable([tensors[i] for i in other])
-            gathered = self._gather_bytes([_bytes(t) for t in sent])
+            gathered = self._gather_bytes([flat_bytes(t) for t in sent])
             for i, g in zip(other, gathered, strict=True):
                 out[i] = _local_sum(self._stacked(g, tensors[i]))
         return out
@@ -109,7 +112,7 @@ class HorovodCollective(Collective):
         sizes drifted apart still reach the plan fingerprint's check), then stacked
         ``[P, *shape]``."""
         tensors = _gatherable(self._gated(tensors))
-        gathered = self._gather_bytes([_bytes(t) for t in tensors], stamped=True)
+        gathered = self._gather_bytes([flat_bytes(t) for t in tensors], stamped=True)
         return [self._stacked(g, t) for g, t in zip(gathered, tensors, strict=True)]
 
     def reduce_scatter_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -148,8 +151,8 @@ class HorovodCollective(Collective):
         """Tensors whose first dimension may differ by rank, as rows of bytes in one grouped
         op, each tensor's rows from every rank concatenated."""
         tensors = _gatherable(self._gated(tensors))
-        gathered = self._gather_bytes([_as_bytes(t) for t in tensors], stamped=True)
-        return [_from_bytes(g, t) for g, t in zip(gathered, tensors, strict=True)]
+        gathered = self._gather_bytes([as_bytes(t) for t in tensors], stamped=True)
+        return [from_bytes(g, t) for g, t in zip(gathered, tensors, strict=True)]
 
     # -- transfers (one dtype per call) ------------------------------------------------------
     def _reduce(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -182,16 +185,16 @@ class HorovodCollective(Collective):
 
     def _stacked(self, gathered: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
         """The ranks' flat bytes of a tensor like ``like``, as ``[P, *shape]``."""
-        return tf.reshape(_from_bytes(gathered, like), [self.num_replicas, *like.shape])
+        return tf.reshape(from_bytes(gathered, like), [self.num_replicas, *like.shape])
 
     def _alltoall(self, tensors: list[tf.Tensor], splits: tf.Tensor) -> list[tf.Tensor]:
         """One ``hvd.alltoall`` of the tensors' rows side by side as bytes."""
-        rows = [_as_bytes(t) for t in tensors]
+        rows = [as_bytes(t) for t in tensors]
         packed = rows[0] if len(rows) == 1 else tf.concat(rows, axis=1)
         self._count([packed])
         received, _ = hvd.alltoall(packed, splits=tf.cast(splits, tf.int32), process_set=self._set)
         parts = tf.split(received, [r.shape[1] for r in rows], axis=1)
-        return [_from_bytes(p, t) for p, t in zip(parts, tensors, strict=True)]
+        return [from_bytes(p, t) for p, t in zip(parts, tensors, strict=True)]
 
     def _count(self, tensors: list[tf.Tensor]) -> None:
         """Add the bytes of ``tensors`` to the counter."""
@@ -204,6 +207,64 @@ class HorovodCollective(Collective):
             return list(tensors)
         with tf.control_dependencies([self._after]):
             return [tf.identity(t) for t in tensors]
+
+
+class HierarchicalCollective(Collective):
+    """The transfers of a hierarchical step: the pipeline's payloads travel in this rank's lane
+    (across nodes) and their sum is divided by all ranks; :attr:`node` sums and gathers inside
+    the node (``None`` with one rank per node), through the step's
+    :class:`~tf_sparsify.collectives.sharded.ShardedLayout` (gradients to this rank's shards
+    of the node's sums, shard updates to full updates).
+
+    Args:
+        topology: the registered :class:`~tf_sparsify.horovod.hierarchy.Topology`.
+        shards: this rank's :class:`Shard` of each variable, ``shapes`` the variables' shapes.
+        buckets: the variable indices of each bucket, in the order they travel.
+        after: a tensor every transfer waits for (the configuration check).
+        across, within: int64 counters of the bytes handed to Horovod across nodes (the
+            payloads) and within the node (the reduce-scatter and the all-gather).
+    """
+
+    def __init__(
+        self,
+        topology: Any,
+        shards: Sequence[Shard],
+        shapes: Sequence[tf.TensorShape],
+        buckets: list[list[int]],
+        after: tf.Tensor | None = None,
+        across: tf.Variable | None = None,
+        within: tf.Variable | None = None,
+    ):
+        self.lane: Collective = (
+            SimulatedWorkerCollective(0, topology.size)  # one node: the payloads go nowhere
+            if topology.lane_set is None
+            else HorovodCollective(after, across, topology.lane_set, divisor=topology.size)
+        )
+        self.node = (
+            None
+            if topology.node_set is None
+            else HorovodCollective(after, within, topology.node_set)
+        )
+        self.num_replicas = self.lane.num_replicas
+        self.divisor = self.lane.divisor
+        self.layout = ShardedLayout(
+            self.node, buckets, list(shards), list(shapes), topology.ranks_per_node
+        )
+
+    def replica_id(self) -> tf.Tensor:
+        return self.lane.replica_id()
+
+    def all_reduce_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        return self.lane.all_reduce_sum(tensors)
+
+    def all_gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        return self.lane.all_gather(tensors)
+
+    def all_to_all(self, tensors: list[tf.Tensor], splits: list[tf.Tensor]) -> list[tf.Tensor]:
+        return self.lane.all_to_all(tensors, splits)
+
+    def all_gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+        return self.lane.all_gather_rows(tensors)
 
 
 def _by_dtype(
@@ -229,28 +290,6 @@ def _gatherable(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         if t.dtype not in _GATHERABLE:
             raise ValueError(f"Horovod cannot gather tensors of dtype {t.dtype.name}")
     return tensors
-
-
-def _bytes(t: tf.Tensor) -> tf.Tensor:
-    """The bit patterns of ``t``, flat ``uint8``."""
-    raw = tf.cast(t, tf.uint8) if t.dtype == tf.bool else tf.bitcast(t, tf.uint8)
-    return tf.reshape(raw, [-1])
-
-
-def _as_bytes(t: tf.Tensor) -> tf.Tensor:
-    """``[rows, bytes per row]`` uint8: the bit patterns of each row of ``t``."""
-    if t.shape.rank is None or t.shape.rank < 1 or not t.shape[1:].is_fully_defined():
-        raise ValueError(f"rows travel as bytes: a tensor of shape {t.shape} has no fixed rows")
-    return tf.reshape(_bytes(t), [-1, t.shape[1:].num_elements() * t.dtype.size])
-
-
-def _from_bytes(raw: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-    """Inverse of :func:`_as_bytes` for rows of tensors like ``like``."""
-    if like.dtype == tf.bool:
-        return tf.cast(tf.reshape(raw, [-1, *like.shape[1:]]), tf.bool)
-    if like.dtype.size == 1:
-        return tf.bitcast(tf.reshape(raw, [-1, *like.shape[1:]]), like.dtype)
-    return tf.bitcast(tf.reshape(raw, [-1, *like.shape[1:], like.dtype.size]), like.dtype)
 
 
 def _local_sum(gathered: tf.Tensor) -> tf.Tensor:

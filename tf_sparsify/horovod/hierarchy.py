@@ -32,14 +32,10 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
-
-from tf_sparsify.collectives.base import Collective, SimulatedWorkerCollective
 from tf_sparsify.common.checks import check_int
-from tf_sparsify.compressors.error_memory import mark_non_finite
-from tf_sparsify.core.pipeline import GradientPipeline, StepResult, Unit
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.plan import Unit
 from tf_sparsify.horovod._hvd import hvd
-from tf_sparsify.horovod.collective import HorovodCollective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,97 +166,13 @@ def _process_set(ranks: tuple[int, ...]):
     return _SETS[ranks]
 
 
-# -- the state core on shards ------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    """What the state core sees of a variable: this rank's part of its node's sum, ``1/L`` of
-    the entries rounded up, flat but with the variable's rank (so ``skip_1d`` still tells
-    biases from kernels)."""
-
-    name: str
-    path: str
-    shape: tuple[int, ...]
-    dtype: tf.DType
-
-
-def shard_of(variable, ranks_per_node: int) -> Shard:
-    shape = tf.TensorShape(variable.shape)
-    size = -(-shape.num_elements() // ranks_per_node)
-    trailing = (1,) * max(shape.rank - 1, 0)
-    path = getattr(variable, "path", None) or variable.name
-    return Shard(variable.name, path, (size, *trailing), tf.as_dtype(variable.dtype))
-
-
-class HierarchicalCollective(Collective):
-    """The transfers of a hierarchical step: the pipeline's payloads travel in this rank's lane
-    (across nodes) and their sum is divided by all ranks; :attr:`node` sums and gathers inside
-    the node (``None`` with one rank per node). :meth:`enter` turns the step's gradients into
-    this rank's shards of the node's sums, :meth:`leave` the shard updates into full updates.
-
-    Args:
-        topology: the registered :class:`Topology`.
-        shards: this rank's :class:`Shard` of each variable, ``shapes`` the variables' shapes.
-        buckets: the variable indices of each bucket, in the order they travel.
-        after: a tensor every transfer waits for (the configuration check).
-        across, within: int64 counters of the bytes handed to Horovod across nodes (the
-            payloads) and within the node (the reduce-scatter and the all-gather).
-    """
-
-    def __init__(
-        self,
-        topology: Topology,
-        shards: Sequence[Shard],
-        shapes: Sequence[tf.TensorShape],
-        buckets: list[list[int]],
-        after: tf.Tensor | None = None,
-        across: tf.Variable | None = None,
-        within: tf.Variable | None = None,
-    ):
-        self.lane: Collective = (
-            SimulatedWorkerCollective(0, topology.size)  # one node: the payloads go nowhere
-            if topology.lane_set is None
-            else HorovodCollective(after, across, topology.lane_set, divisor=topology.size)
-        )
-        self.node = (
-            None
-            if topology.node_set is None
-            else HorovodCollective(after, within, topology.node_set)
-        )
-        self.num_replicas = self.lane.num_replicas
-        self.divisor = self.lane.divisor
-        self._ranks_per_node = topology.ranks_per_node
-        self._shards = list(shards)
-        self._shapes = list(shapes)
-        self._buckets = buckets
-
-    def enter(self, grads: list) -> list:
-        return _scatter(self.node, grads, self._buckets, self._shards, self._ranks_per_node)
-
-    def leave(self, result: StepResult) -> StepResult:
-        return _gather(self.node, result, self._buckets, self._shapes)
-
-    def replica_id(self) -> tf.Tensor:
-        return self.lane.replica_id()
-
-    def all_reduce_sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        return self.lane.all_reduce_sum(tensors)
-
-    def all_gather(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        return self.lane.all_gather(tensors)
-
-    def all_to_all(self, tensors: list[tf.Tensor], splits: list[tf.Tensor]) -> list[tf.Tensor]:
-        return self.lane.all_to_all(tensors, splits)
-
-    def all_gather_rows(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        return self.lane.all_gather_rows(tensors)
-
-
+# -- the plan on shards ------------------------------------------------------------------------
 def check_pipeline(pipeline: GradientPipeline) -> None:
     """ValueError for options the hierarchical exchange cannot honour: ``local_clipnorm`` (it
     clips each rank's own gradients, which this exchange sums inside the node before anything
     is compressed) and shape-aware compressors (PowerSGD factors matrices; the shards are
     flat)."""
-    if pipeline.local_clipnorm is not None:
+    if pipeline.options.local_clipnorm is not None:
         raise ValueError(
             "`local_clipnorm` clips each rank's own gradients, but with ranks_per_node the "
             "ranks of a node sum theirs before compression: use ranks_per_node=None, or "
@@ -279,51 +191,3 @@ def buckets(units: Sequence[Unit]) -> list[list[int]]:
     for unit in sorted(units, key=lambda u: u.bucket):
         by_bucket.setdefault(unit.bucket, []).extend(unit.indices)
     return list(by_bucket.values())
-
-
-def _scatter(
-    node: HorovodCollective | None,
-    grads: list,
-    buckets: list[list[int]],
-    shards: list[Shard],
-    ranks_per_node: int,
-) -> list[tf.Tensor | None]:
-    """This rank's shard of its node's sum of each gradient (one reduce-scatter per bucket);
-    ``None`` gradients stay ``None``."""
-    out: list[tf.Tensor | None] = [None] * len(grads)
-    for bucket in buckets:
-        present = [i for i in bucket if grads[i] is not None]
-        flat = [_padded(grads[i], ranks_per_node * shards[i].shape[0]) for i in present]
-        parts = flat if node is None else node.reduce_scatter_sum(flat)
-        for i, part in zip(present, parts, strict=True):
-            out[i] = tf.reshape(part, shards[i].shape)
-    return out
-
-
-def _padded(grad, length: int) -> tf.Tensor:
-    flat = tf.reshape(tf.convert_to_tensor(grad), [-1])
-    return tf.pad(flat, [[0, length - flat.shape[0]]])
-
-
-def _gather(
-    node: HorovodCollective | None,
-    result: StepResult,
-    buckets: list[list[int]],
-    shapes: list[tf.TensorShape],
-) -> StepResult:
-    """The full updates from the node's shard updates (one all-gather per bucket), each shard
-    NaN unless its lane's step was finite; ``finite`` is then the same on every rank."""
-    updates: list[tf.Tensor | None] = [None] * len(shapes)
-    checks = []
-    for bucket in buckets:
-        present = [i for i in bucket if result.updates[i] is not None]
-        parts = [
-            mark_non_finite(tf.reshape(result.updates[i], [-1]), result.finite) for i in present
-        ]
-        gathered = parts if node is None else node.all_gather(parts)
-        for i, whole in zip(present, gathered, strict=True):
-            checks.append(tf.reduce_all(tf.math.is_finite(whole)))
-            entries = tf.reshape(whole, [-1])[: shapes[i].num_elements()]
-            updates[i] = tf.reshape(entries, shapes[i])
-    finite = tf.reduce_all(tf.stack(checks)) if checks else result.finite
-    return dataclasses.replace(result, updates=updates, finite=finite)

@@ -20,14 +20,21 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_sparsify.collectives.base import Collective
+from tf_sparsify.collectives import Collective
+from tf_sparsify.collectives.sharded import Shard, shard_of
 from tf_sparsify.common.checks import check_int
-from tf_sparsify.core.pipeline import GradientPipeline, Unit
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.plan import Unit
+from tf_sparsify.core.step import GradientKind
 from tf_sparsify.core.transport import Transport
 from tf_sparsify.horovod import hierarchy
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.horovod.check import assert_same, check_once, plan_fields, stamp
-from tf_sparsify.horovod.collective import HorovodCollective, reject_xla
+from tf_sparsify.horovod.collective import (
+    HierarchicalCollective,
+    HorovodCollective,
+    reject_xla,
+)
 
 
 class HorovodTransport(Transport):
@@ -52,7 +59,7 @@ class HorovodTransport(Transport):
         self.horovod_bytes: tf.Variable | None = None
         self.within_bytes: tf.Variable | None = None
         self._topology: hierarchy.Topology | None = None
-        self._shards: list[hierarchy.Shard] = []
+        self._shards: list[Shard] = []
         self._shapes: list[tf.TensorShape] = []
 
     def check(self, pipeline: GradientPipeline) -> None:
@@ -75,14 +82,14 @@ class HorovodTransport(Transport):
             return list(variables)
         self._topology = hierarchy.topology(self.ranks_per_node)
         self._shapes = [tf.TensorShape(v.shape) for v in variables]
-        self._shards = [hierarchy.shard_of(v, self.ranks_per_node) for v in variables]
+        self._shards = [shard_of(v, self.ranks_per_node) for v in variables]
         return list(self._shards)
 
     def collective(
         self,
         pipeline: GradientPipeline,
         units: Sequence[Unit],
-        present: Sequence[bool] | None = None,
+        present: Sequence[GradientKind] | None = None,
     ) -> Collective:
         """The collective of one step: the ranks' plans (and which variables have gradients)
         are compared on this process's first step before anything travels, and again with
@@ -99,7 +106,7 @@ class HorovodTransport(Transport):
                 self.horovod_bytes,
                 stamp=(local, lambda stamps: assert_same(stamps, local, fields)),
             )
-        return hierarchy.HierarchicalCollective(
+        return HierarchicalCollective(
             self._topology,
             self._shards,
             self._shapes,

@@ -51,7 +51,7 @@ by a plain all-gather, empty slots and padding rows marked by the index -1 (``by
 counts them: they travel); the update's padding rows repeat its first row, with zeros. Weights
 and residuals are those without XLA, bit for bit where XLA rounds the rest of the step alike.
 
-Everything else densifies the gradient first, as before (:func:`keeps_rows`), losing no
+Everything else densifies the gradient first (:class:`SparseRowsRoute` does not claim it), losing no
 gradient mass (the dense path's error feedback keeps the residual): other compressors (QSGD,
 TernGrad and ScaledSign sum payloads of one dense layout by all-reduce; RandomK's shared
 indices and PowerSGD's factors span the whole tensor; the sparse all-reduce splits the whole
@@ -66,41 +66,67 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from tf_sparsify import ops
-from tf_sparsify.compressors.base import Compressor, decimal_ratio
-from tf_sparsify.compressors.dense import BF16, FP16, Identity, saturating_cast
+from tf_sparsify.compressors.base import Compressor
+from tf_sparsify.compressors.dense import saturating_cast
 from tf_sparsify.compressors.error_memory import UnitMemory
 from tf_sparsify.compressors.rounds import (
     GATHER,
     GATHER_ROWS,
-    Opening,
     Outcome,
-    Protocol,
-    Replicas,
+    ReplicaGroup,
+    Rounds,
+    Started,
     Transfer,
     scaled,
 )
-from tf_sparsify.compressors.topk import TopK
+from tf_sparsify.compressors.topk import TopK, rounding_error
 from tf_sparsify.core import replica_values
+from tf_sparsify.core.plan import Unit
+from tf_sparsify.core.routes.route import Message, Route, StepContext
 from tf_sparsify.ops.pure_tf import magnitude_key
 from tf_sparsify.ops.xla import in_xla_context
 
 
-def handles(compressor: Compressor) -> bool:
-    """Whether ``compressor`` exchanges ``IndexedSlices`` over their touched rows (``Identity``,
-    ``FP16``, ``BF16`` and ``TopK`` themselves, not subclasses)."""
-    return type(compressor) in (Identity, FP16, BF16, TopK)
+class SparseRowsRoute(Route):
+    """Claims a one-variable unit whose gradient is ``IndexedSlices`` and whose compressor
+    ``travels_as_rows`` (``Identity``, ``FP16``, ``BF16``, ``TopK``), when the collective
+    gathers rows of varying counts and no option needs the whole dense gradient (momentum
+    correction, local clipping, diagnostics, per-replica contributions): see the module
+    docstring."""
 
+    def claims(self, unit: Unit, step: StepContext) -> bool:
+        return (
+            unit.compressor.travels_as_rows
+            and len(unit.indices) == 1
+            and isinstance(step.grads[unit.indices[0]], tf.IndexedSlices)
+            and step.gathers_rows
+            and not (step.momentum_factor or step.clipped)
+            and not (step.flags.measured or step.flags.per_replica)
+        )
 
-def keeps_rows(
-    compressor: Compressor, with_momentum: bool, clipped: bool, measured: bool, per_replica: bool
-) -> bool:
-    """Whether a one-variable unit keeps an ``IndexedSlices`` gradient as rows (otherwise it
-    is densified, see the module docstring)."""
-    return handles(compressor) and not (with_momentum or clipped or measured or per_replica)
+    def start(self, claimed: list[tuple[int, Unit]], step: StepContext) -> list[Message]:
+        messages = []
+        for _, unit in claimed:
+            i = unit.indices[0]
+            residual = step.memory.residuals[i] if unit.error_feedback else None
+            before = UnitMemory(residual)  # the variable: only the touched rows are read
+            started = start(unit.compressor, step.grads[i], unit.shape, before, step.replicas)
+            messages.append(
+                Message(unit, self, started.rounds, before, started.after, started.payload)
+            )
+        return messages
+
+    def finish(self, message: Message, outcome: Outcome) -> None:
+        message.updates = [outcome.update]
+        message.residuals = [message.after.residual]
+        message.momenta = [None]
+
+    def sent_bytes(self, message: Message) -> tf.Tensor:
+        """The bytes of the payload this step (they depend on the rows touched)."""
+        return tf.add_n([tf.size(t, out_type=tf.int64) * t.dtype.size for t in message.payload])
 
 
 def combined(slices: tf.IndexedSlices) -> tuple[tf.Tensor, tf.Tensor]:
@@ -122,8 +148,8 @@ def start(
     slices: tf.IndexedSlices,
     shape: tf.TensorShape,
     before: UnitMemory,
-    replicas: Replicas,
-) -> Opening:
+    replicas: ReplicaGroup,
+) -> Started:
     """Begin the exchange of one variable's sparse gradient: compress its touched rows with
     their residual, and the protocol that gathers every replica's rows. ``before.residual``
     may be the residual's variable (only the touched rows are read); the kept residual is
@@ -138,7 +164,7 @@ def start(
     old = None
     if before.residual is not None:  # a padding row repeats the first: it adds nothing
         old = _touched(replica_values.read_rows(before.residual, rows), count, 0)
-    if isinstance(compressor, TopK):
+    if compressor.sends_entries:  # TopK: the k largest entries
         acc = values if old is None else values + old
         payload, remainder = _top_entries(compressor, acc, rows, shape, count)
         rounds = _entries_round(payload, shape, acc.dtype, replicas, count is not None)
@@ -151,7 +177,7 @@ def start(
         kept = tf.IndexedSlices(
             _touched(remainder, count, remainder[:1]), rows, _dense_shape(shape)
         )
-    return Opening(rounds, shape, payload, UnitMemory(kept))
+    return Started(rounds, shape, payload, UnitMemory(kept))
 
 
 def padded(slices: tf.IndexedSlices, vocabulary: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -162,22 +188,6 @@ def padded(slices: tf.IndexedSlices, vocabulary: int) -> tuple[tf.Tensor, tf.Ten
     bound = tf.minimum(tf.size(indices, out_type=tf.int64), vocabulary)
     slot, rows, count = _distinct(indices, tf.ones_like(indices, tf.bool), bound)
     return rows, _summed(slot[:, None], slices.values, bound), count
-
-
-def wire_bytes(payload: tuple[tf.Tensor, ...]) -> tf.Tensor:
-    """The bytes of a sparse payload this step (it depends on the rows touched)."""
-    return tf.add_n([tf.size(t, out_type=tf.int64) * t.dtype.size for t in payload])
-
-
-def _k(compressor: TopK, entries: tf.Tensor) -> tf.Tensor:
-    """TopK's ``k`` over ``entries`` touched entries (int64): the fixed ``k`` clamped to
-    them, else ``max(1, ceil(ratio * entries))`` exactly in the ratio's decimal value."""
-    if compressor.k is not None:
-        return tf.minimum(tf.constant(compressor.k, tf.int64), entries)
-    ratio = decimal_ratio(compressor.ratio)
-    p, q = tf.constant(ratio.numerator, tf.int64), tf.constant(ratio.denominator, tf.int64)
-    k = (p * entries + q - 1) // q
-    return tf.minimum(entries, tf.maximum(k, tf.minimum(entries, 1)))
 
 
 def _top_entries(
@@ -195,7 +205,7 @@ def _top_entries(
     width = shape[1:].num_elements()
     flat = tf.reshape(acc, [-1])
     if count is None:
-        k = _k(compressor, tf.size(flat, out_type=tf.int64))
+        k = compressor.num_selected(tf.size(flat, out_type=tf.int64))
         values, indices, remainder = ops.topk_error_feedback(
             flat, tf.zeros_like(flat), k, index_dtype=tf.int64
         )
@@ -206,9 +216,7 @@ def _top_entries(
     sent = values if wire == values.dtype else saturating_cast(values, wire)
     left = None  # what stays at the selected entries: the rounding error, by TopK's dense rule
     if sent.dtype != values.dtype:
-        error = values - tf.cast(sent, values.dtype)
-        tiny = tf.constant(np.finfo(values.dtype.as_numpy_dtype).tiny, values.dtype)
-        left = tf.where(tf.abs(error) >= tiny, error, tf.zeros_like(error))  # False for NaN
+        left = rounding_error(values, sent)
     in_variable = tf.gather(rows, indices // width) * width + indices % width
     if chosen is not None:  # the entries not chosen stay, and travel as empty slots
         left = tf.where(chosen, tf.zeros_like(values) if left is None else left, values)
@@ -224,17 +232,17 @@ def _top_of_padded(
 ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
     """``(values, indices, remainder, chosen)``: TopK's selection over the first ``entries``
     of ``flat`` (the touched rows; zeros follow them) in shapes XLA can compile. The fused op
-    selects ``_k`` of all of ``flat``, at least the ``k = _k(entries)`` TopK keeps; ranked by
-    magnitude, ties to the lowest index as the op ranks them, the first ``k`` of those are
+    selects ``num_selected`` of all of ``flat``, at least the ``k`` TopK keeps of ``entries``;
+    ranked by magnitude, ties to the lowest index as the op ranks them, the first ``k`` of those are
     the ``k`` the op would select from the touched entries alone (a trailing zero never ranks
     before a touched entry), ``chosen`` marks them. ``remainder`` has every selected entry
     zeroed, chosen or not."""
-    capacity = _k(compressor, tf.size(flat, out_type=tf.int64))
+    capacity = compressor.num_selected(tf.size(flat, out_type=tf.int64))
     values, indices, remainder = ops.topk_error_feedback(
         flat, tf.zeros_like(flat), capacity, index_dtype=tf.int64
     )
     by_rank = tf.argsort(magnitude_key(values), direction="DESCENDING", stable=True)
-    chosen = _inverse(by_rank) < _k(compressor, entries)
+    chosen = _inverse(by_rank) < compressor.num_selected(entries)
     return values, indices, remainder, chosen
 
 
@@ -242,9 +250,9 @@ def _entries_round(
     payload: tuple[tf.Tensor, tf.Tensor],
     shape: tf.TensorShape,
     dtype: tf.DType,
-    replicas: Replicas,
+    replicas: ReplicaGroup,
     padded: bool = False,
-) -> Protocol:
+) -> Rounds:
     """Every replica's entries gathered; the update is the rows holding any, summed and
     divided by the divisor. ``padded`` (XLA): payloads of one size travel by an all-gather,
     empty slots marked by the index -1; the update's rows are padded as :func:`padded`'s."""
@@ -284,9 +292,9 @@ def _rows_round(
     payload: tuple[tf.Tensor, tf.Tensor],
     shape: tf.TensorShape,
     dtype: tf.DType,
-    replicas: Replicas,
+    replicas: ReplicaGroup,
     padded: bool = False,
-) -> Protocol:
+) -> Rounds:
     """Every replica's rows gathered; the update is their values in ``dtype``, a row several
     replicas sent summed (:func:`combined`, as in the dense gradient), divided by the
     divisor. ``padded`` (XLA): as in :func:`_entries_round`, padding rows marked by -1."""
@@ -305,7 +313,7 @@ def _rows_round(
     return Outcome(update, shared=(sent,))
 
 
-def _gathered(payload: tuple[tf.Tensor, ...], padded: bool) -> Protocol:
+def _gathered(payload: tuple[tf.Tensor, ...], padded: bool) -> Rounds:
     """Every replica's ``payload`` tensors, concatenated in replica order: by an all-gather
     of varying row counts, or with ``padded`` (XLA, one size everywhere) a plain one."""
     if not padded:
