@@ -13,6 +13,7 @@ import tf_sparsify as tfs
 from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.core.options import DEFAULT_BUCKET_BYTES
 from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.step import StepMemory
 
 # float32 sizes in bytes: 400, 40, 1600, 80, 4000, 8
 SHAPES = [(10, 10), (10,), (20, 20), (20,), (1000,), (2,)]
@@ -98,7 +99,9 @@ def traced_transfers(pipeline, units) -> tuple[list[list[tf.Tensor]], list[str]]
     @tf.function(input_signature=specs)
     def step(*grads):
         residuals = [tf.zeros(s) for s in SHAPES]
-        return pipeline.run_step(units, list(grads), residuals, tf.constant(0), collective).updates
+        return pipeline.run(
+            units, list(grads), StepMemory(residuals, tf.constant(0)), collective
+        ).updates
 
     step.get_concrete_function()
     return collective.calls, names

@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_sparsify as tfs
 from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
 from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.step import StepMemory
 from tf_sparsify.heuristics import (
     DensitySchedule,
     clip_by_local_norm,
@@ -58,13 +59,11 @@ def test_momentum_correction_matches_hand_written_dgc():
     residual = tf.zeros((6, 5), tf.float64)
     buffer = tf.zeros((6, 5), tf.float64)
     for t, (g, (sent, v, u)) in enumerate(zip(grads, dgc_reference(grads, 4, 0.9), strict=True)):
-        res = pipe.run_step(
+        res = pipe.run(
             units,
             [tf.constant(g)],
-            [residual],
-            tf.constant(t, tf.int64),
+            StepMemory([residual], tf.constant(t, tf.int64), momenta=[buffer]),
             LocalCollective(),
-            momenta=[buffer],
         )
         residual, buffer = res.residuals[0], res.momenta[0]
         np.testing.assert_allclose(res.updates[0].numpy(), sent, rtol=1e-12, atol=1e-12)
@@ -157,7 +156,7 @@ def test_momentum_correction_validates_inner_optimizer_and_factor():
     pipe = GradientPipeline(tfs.TopK(0.1), momentum_correction=0.5)
     units = pipe.plan([(4,)], [tf.float32])
     with pytest.raises(ValueError, match="momenta"):
-        pipe.run_step(units, [tf.ones(4)], [tf.zeros(4)], tf.constant(0), LocalCollective())
+        pipe.run(units, [tf.ones(4)], StepMemory([tf.zeros(4)], tf.constant(0)), LocalCollective())
 
 
 def test_sent_mask_marks_topk_and_randomk_entries_and_defaults_to_nonzero():
@@ -226,7 +225,7 @@ def test_local_clipping_happens_before_accumulation():
     pipe = GradientPipeline(tfs.TopK(k=1), local_clipnorm=1.0)
     units = pipe.plan([(2,), (2,)], [tf.float64, tf.float64])
     grads = [tf.constant([30.0, 0.0], tf.float64), tf.constant([0.0, 40.0], tf.float64)]
-    res = pipe.run_step(units, grads, [tf.zeros(2, tf.float64)] * 2, 0, LocalCollective())
+    res = pipe.run(units, grads, StepMemory([tf.zeros(2, tf.float64)] * 2, 0), LocalCollective())
     total = [u.numpy() + r.numpy() for u, r in zip(res.updates, res.residuals, strict=True)]
     np.testing.assert_allclose(total[0], [0.6, 0.0], rtol=1e-12)
     np.testing.assert_allclose(total[1], [0.0, 0.8], rtol=1e-12)
@@ -243,7 +242,9 @@ def test_local_clipping_scales_with_replicas(mirrored2):
         ctx = tf.distribute.get_replica_context()
         scale = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
         g = tf.constant([3.0, 4.0]) * scale
-        res = pipe.run_step(units, [g], [None], tf.constant(0), ReplicaContextCollective(ctx))
+        res = pipe.run(
+            units, [g], StepMemory([None], tf.constant(0)), ReplicaContextCollective(ctx)
+        )
         return res.updates[0]
 
     out = mirrored2.run(tf.function(replica_fn))

@@ -10,6 +10,7 @@ import tf_sparsify as tfs
 from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
 from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.core.plan import bytes_per_step
+from tf_sparsify.core.step import StepMemory
 
 SHAPES = [(12, 5), (5,), (3, 4, 2)]
 
@@ -20,8 +21,8 @@ def run_steps(pipeline, grads_per_step, dtype=tf.float64):
     residuals = [tf.zeros(s, dtype) for s in SHAPES]
     applied = [tf.zeros(s, dtype) for s in SHAPES]
     for t, grads in enumerate(grads_per_step):
-        out = pipeline.run_step(
-            units, grads, residuals, tf.constant(t, tf.int64), LocalCollective()
+        out = pipeline.run(
+            units, grads, StepMemory(residuals, tf.constant(t, tf.int64)), LocalCollective()
         )
         applied = [a + u for a, u in zip(applied, out.updates, strict=True)]
         residuals = [r if n is None else n for r, n in zip(residuals, out.residuals, strict=True)]
@@ -80,7 +81,9 @@ def test_global_scope_selects_over_all_tensors():
     pipeline = GradientPipeline(tfs.TopK(k=2), scope="global")
     units = pipeline.plan([(2, 2), (2,)], [tf.float64] * 2)
     assert len(units) == 1
-    out = pipeline.run_step(units, grads, [tf.zeros_like(g) for g in grads], 0, LocalCollective())
+    out = pipeline.run(
+        units, grads, StepMemory([tf.zeros_like(g) for g in grads], 0), LocalCollective()
+    )
     np.testing.assert_array_equal(out.updates[0].numpy(), [[0, 5.0], [0, 0]])
     np.testing.assert_array_equal(out.updates[1].numpy(), [4.0, 0])
 
@@ -98,7 +101,9 @@ def test_none_gradients_are_skipped():
     pipeline = GradientPipeline(tfs.TopK(k=1))
     units = pipeline.plan(SHAPES, [tf.float32] * 3)
     grads = [tf.ones(SHAPES[0]), None, tf.ones(SHAPES[2])]
-    out = pipeline.run_step(units, grads, [tf.zeros(s) for s in SHAPES], 0, LocalCollective())
+    out = pipeline.run(
+        units, grads, StepMemory([tf.zeros(s) for s in SHAPES], 0), LocalCollective()
+    )
     assert out.updates[1] is None and out.residuals[1] is None and out.updates[0] is not None
 
 
@@ -110,11 +115,16 @@ def test_non_finite_gradient_marks_the_step(compressor):
     grads[0] = tf.tensor_scatter_nd_update(grads[0], [[11, 4]], [float("nan")])
     pipeline = GradientPipeline(compressor, error_feedback=True)
     units = pipeline.plan(SHAPES, [tf.float32] * 3)
-    out = pipeline.run_step(units, grads, [tf.zeros(s) for s in SHAPES], 0, LocalCollective())
+    out = pipeline.run(
+        units, grads, StepMemory([tf.zeros(s) for s in SHAPES], 0), LocalCollective()
+    )
     assert not bool(out.finite)
     assert not bool(tf.reduce_all(tf.math.is_finite(out.updates[0])))
-    clean = pipeline.run_step(
-        units, [tf.ones(s) for s in SHAPES], [tf.zeros(s) for s in SHAPES], 0, LocalCollective()
+    clean = pipeline.run(
+        units,
+        [tf.ones(s) for s in SHAPES],
+        StepMemory([tf.zeros(s) for s in SHAPES], 0),
+        LocalCollective(),
     )
     assert bool(clean.finite)
 
@@ -126,7 +136,7 @@ def test_indexed_slices_gradients_are_compressed_over_their_rows():
     g = tf.IndexedSlices(
         tf.constant([[1.0, 2, 3], [4, 5, 6]]), tf.constant([1, 3]), tf.constant([4, 3])
     )
-    out = pipeline.run_step(units, [g], [tf.zeros((4, 3))], 0, LocalCollective())
+    out = pipeline.run(units, [g], StepMemory([tf.zeros((4, 3))], 0), LocalCollective())
     assert isinstance(out.updates[0], tf.IndexedSlices)
     np.testing.assert_array_equal(tf.convert_to_tensor(out.updates[0]).numpy()[3], [0, 5, 6])
 
@@ -153,11 +163,10 @@ def test_replica_average_equals_sum_of_decompressed_payloads(mirrored2, compress
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
             r = ctx.replica_id_in_sync_group
-            out = pipeline.run_step(
+            out = pipeline.run(
                 units,
                 [base[r]],
-                [resid[r]],
-                tf.constant(7, tf.int64),
+                StepMemory([resid[r]], tf.constant(7, tf.int64)),
                 ReplicaContextCollective(ctx),
             )
             return out.updates[0], out.residuals[0]

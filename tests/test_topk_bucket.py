@@ -15,6 +15,7 @@ from tf_sparsify.collectives import LocalCollective, SimulatedWorkerCollective
 from tf_sparsify.compressors import topk_bucket
 from tf_sparsify.compressors.rounds import SparseUpdate
 from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.step import StepFlags, StepMemory
 from tf_sparsify.ops import index_code
 from tf_sparsify.testing import numpy_reference as ref
 
@@ -127,8 +128,12 @@ def run(packed: bool, monkeypatch, sparse_updates: bool, collective, steps: int 
     out = []
     for step in range(steps):
         grads = [tf.constant(rng.standard_normal(s), tf.float32) for s in shapes]
-        result = pipeline.run_step(
-            units, grads, residuals, tf.constant(step), collective, sparse_updates=sparse_updates
+        result = pipeline.run(
+            units,
+            grads,
+            StepMemory(residuals, tf.constant(step)),
+            collective,
+            StepFlags(sparse_updates=sparse_updates),
         )
         residuals = [
             r if n is None else n for r, n in zip(residuals, result.residuals, strict=True)
@@ -189,5 +194,5 @@ def test_pipeline_packed_path_conserves_and_sends_one_payload(monkeypatch):
         tf.zeros(s) if u else None
         for s, u in zip(shapes, pipeline.needs_residual(units, 5), strict=True)
     ]
-    pipeline.run_step(units, grads, residuals, tf.constant(0), Recording())
+    pipeline.run(units, grads, StepMemory(residuals, tf.constant(0)), Recording())
     assert [len(call) for call in recorded] == [2]  # one values and one code tensor

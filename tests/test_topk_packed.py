@@ -15,6 +15,7 @@ import tf_sparsify as tfs
 from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
 from tf_sparsify.compressors import deserialize, serialize
 from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.step import StepMemory
 from tf_sparsify.ops import decode_indices, encode_indices
 from tf_sparsify.ops.index_code import index_code_bytes, reference_decode, reference_encode
 
@@ -208,8 +209,8 @@ def test_two_replicas_gather_packed_payloads(mirrored2):
             ctx = tf.distribute.get_replica_context()
             r = ctx.replica_id_in_sync_group
             collective = ReplicaContextCollective(ctx)
-            out = pipeline.run_step(
-                units, [grads[r]], [resid[r]], tf.constant(3, tf.int64), collective
+            out = pipeline.run(
+                units, [grads[r]], StepMemory([resid[r]], tf.constant(3, tf.int64)), collective
             )
             return out.updates[0], out.residuals[0]
 
@@ -245,7 +246,7 @@ def test_feedback_keeps_the_rounding_error_exactly(value_dtype, dtype):
     for step in range(steps):
         scale = 10.0 ** rng.integers(-3, 4)
         grads = [tf.constant(rng.normal(size=s) * scale, dtype) for s in SHAPES]
-        out = pipeline.run_step(units, grads, residuals, step, LocalCollective())
+        out = pipeline.run(units, grads, StepMemory(residuals, step), LocalCollective())
         for i in range(len(SHAPES)):
             acc = (grads[i] + residuals[i]).numpy()
             largest = max(largest, float(np.abs(acc).max()))
@@ -291,7 +292,7 @@ def test_non_finite_values_pass_and_the_step_is_marked(value_dtype):
     np.testing.assert_array_equal(residual.numpy(), [1.0, 0.0, 3.0, 0.0])
     pipeline = GradientPipeline(comp)
     units = pipeline.plan([(4,)], [tf.float32])
-    out = pipeline.run_step(units, [g], [tf.zeros([4])], 0, LocalCollective())
+    out = pipeline.run(units, [g], StepMemory([tf.zeros([4])], 0), LocalCollective())
     assert not bool(out.finite)
 
 
