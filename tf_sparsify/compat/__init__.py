@@ -84,3 +84,22 @@ def renamed(namespace: dict, old_names: dict[str, str]):
         return namespace[new]
 
     return __getattr__
+
+
+def moved_names(module: str, homes: dict[str, str]):
+    """A module ``__getattr__`` for names that moved to other modules: ``homes`` maps each old
+    name to its new module; the name is looked up there, with a ``DeprecationWarning`` (kept one
+    release)."""
+
+    def __getattr__(name: str):
+        if name not in homes:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(
+            f"`{module}.{name}` is now `{homes[name]}.{name}`; the old path will be removed in "
+            "tf_sparsify 0.3.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(homes[name]), name)
+
+    return __getattr__

@@ -27,6 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify.collectives import Collective
+from tf_sparsify.compat import moved_names
 from tf_sparsify.compressors.base import Compressor, serialize
 from tf_sparsify.compressors.rounds import ReplicaGroup
 from tf_sparsify.core import measurements, plan
@@ -227,3 +228,17 @@ def _sent_bytes(messages: Sequence[Message]) -> tuple[int | tf.Tensor, int]:
     measured = [b for b in sent if not isinstance(b, int)]
     dense = plan.bytes_per_step([m.unit for m in messages])[1]
     return (static + tf.add_n(measured) if measured else static), dense
+
+
+#: names this module had before the core was split (kept one release)
+__getattr__ = moved_names(
+    __name__,
+    {
+        "Unit": "tf_sparsify.core.plan",
+        "bytes_per_step": "tf_sparsify.core.plan",
+        "PackedUnit": "tf_sparsify.core.routes.packed_topk",
+        "Message": "tf_sparsify.core.routes.route",
+        "StepResult": "tf_sparsify.core.step",
+        "SparseUpdate": "tf_sparsify.compressors.rounds",
+    },
+)

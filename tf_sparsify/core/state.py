@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tf_sparsify.collectives import Collective
 from tf_sparsify.common.checks import check_int
+from tf_sparsify.compat import moved_names
 from tf_sparsify.core import replica_values
 from tf_sparsify.core.checkpoint import StateCheckpoint
 from tf_sparsify.core.checkpoint_manifest import Entry
@@ -293,6 +294,10 @@ def _unit_name(unit: Unit, names: Sequence[str]) -> str:
 def _values(variables: list) -> list:
     """The current value of each variable (this replica's copy), ``None`` kept."""
     return [None if v is None else tf.convert_to_tensor(v) for v in variables]
+
+
+#: names this module had before the core was split (kept one release)
+__getattr__ = moved_names(__name__, {"StateViews": "tf_sparsify.core.state_views"})
 
 
 def store_if_finite(pairs: Sequence[tuple[Any, tf.Tensor]], finite: tf.Tensor) -> None:
