@@ -91,6 +91,11 @@ def _this_replica(variable) -> tf.Variable:
     return value
 
 
+def current_values(variables) -> list:
+    """The current value of each variable (this replica's copy), ``None`` kept."""
+    return [None if v is None else tf.convert_to_tensor(v) for v in variables]
+
+
 def read_rows(variable, rows: tf.Tensor) -> tf.Tensor:
     """The ``rows`` of this replica's value of ``variable`` (or of a tensor), read without the
     others: a variable written by :func:`write_rows` would copy its whole value on every dense

@@ -238,8 +238,10 @@ class CompressionState:
         memory = StepMemory(
             self.residuals,  # read by the routes: a unit sent as rows reads its rows only
             self.step,
-            _values(self.momenta) if self.pipeline.options.momentum_correction else None,
-            [_values(list(s)) for s in self.states],
+            replica_values.current_values(self.momenta)
+            if self.pipeline.options.momentum_correction
+            else None,
+            [replica_values.current_values(s) for s in self.states],
         )
         flags = StepFlags(record, per_replica, sparse_updates)
         result = self.transport.run_pipeline(
@@ -289,11 +291,6 @@ def _unit_name(unit: Unit, names: Sequence[str]) -> str:
     if len(unit.indices) == 1:
         return names[unit.indices[0]]
     return f"global_{unit.dtype.name}"
-
-
-def _values(variables: list) -> list:
-    """The current value of each variable (this replica's copy), ``None`` kept."""
-    return [None if v is None else tf.convert_to_tensor(v) for v in variables]
 
 
 #: names this module had before the core was split (kept one release)

@@ -15,6 +15,7 @@ from tf_sparsify.common.checks import check_int
 from tf_sparsify.compressors.base import MultiRoundMethod
 from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.core.plan import Unit
+from tf_sparsify.core.replica_values import current_values
 from tf_sparsify.core.step import StepFlags, StepMemory, StepResult
 from tf_sparsify.core.transport import Transport
 
@@ -49,7 +50,8 @@ class SimulatedWorkersTransport(Transport):
                     f"With workers={workers}, gradients must be stacked per worker "
                     f"([{workers}, ...]); received a gradient of shape {tuple(g.shape)}."
                 )
-        residuals, momenta = _values(memory.residuals), _values(memory.momenta or [])
+        residuals = current_values(memory.residuals)
+        momenta = current_values(memory.momenta or [])
         parts = [
             pipeline.run(
                 units,
@@ -65,11 +67,6 @@ class SimulatedWorkersTransport(Transport):
             for p in range(workers)
         ]
         return _stack_workers(parts)
-
-
-def _values(variables: Sequence) -> list:
-    """The current value of each variable (``None`` kept)."""
-    return [None if v is None else tf.convert_to_tensor(v) for v in variables]
 
 
 def _row(tensors: list, p: int) -> list:
