@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras import tree
 
 from tf_sparsify.collectives.base import SimulatedWorkerCollective
-from tf_sparsify.keras.optimizer import find_sparsified
+from tf_sparsify.keras.wrapped import find_sparsified
 
 __all__ = ["SimulatedWorkerCollective", "SimulatedWorkers"]
 

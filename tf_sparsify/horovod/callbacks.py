@@ -8,7 +8,7 @@ import tensorflow as tf
 from tf_sparsify.horovod._hvd import hvd
 from tf_sparsify.horovod.broadcast import broadcast_variables
 from tf_sparsify.horovod.error_memory import scatter_error_memory
-from tf_sparsify.keras.optimizer import find_sparsified
+from tf_sparsify.keras.wrapped import find_sparsified
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

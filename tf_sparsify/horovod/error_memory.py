@@ -15,7 +15,7 @@ or on rank 0 alone followed by :class:`~tf_sparsify.horovod.BroadcastGlobalVaria
 from __future__ import annotations
 
 from tf_sparsify.horovod._hvd import hvd
-from tf_sparsify.keras.optimizer import find_sparsified
+from tf_sparsify.keras.wrapped import find_sparsified
 
 
 def _holder(holder):

@@ -2,9 +2,9 @@
 
 from tf_sparsify.keras.callbacks import CompressionStats
 from tf_sparsify.keras.diagnostics import CompressionDiagnostics, plot_diagnostics
-from tf_sparsify.keras.keras_private import skip_gradient_all_reduce
-from tf_sparsify.keras.optimizer import SparsifiedOptimizer, find_sparsified
+from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 from tf_sparsify.keras.warmup import DensityWarmup
+from tf_sparsify.keras.wrapped import find_sparsified, skip_gradient_all_reduce
 
 __all__ = [
     "CompressionDiagnostics",

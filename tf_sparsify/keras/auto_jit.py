@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 
 from tf_sparsify.keras import keras_private
+from tf_sparsify.keras.wrapped import find_sparsified
 
 
 def needs_no_xla(optimizer) -> bool:
     """Whether ``optimizer``, or an optimizer it wraps, cannot run under XLA."""
-    from tf_sparsify.keras.optimizer import find_sparsified
-
     sparsified = find_sparsified(optimizer)
     return sparsified is not None and not sparsified.runs_under_xla
 

@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparsify.core import replica_values
-from tf_sparsify.keras import keras_private
+from tf_sparsify.keras import keras_private, wrapped
 
 WEIGHTS = "latest.weights.h5"
 METADATA = "training_metadata.json"
@@ -196,14 +196,10 @@ def _check_same_choice(job: Job, step: int) -> None:
 def _conserve_rows(callback, model, step: int, meta: dict) -> bool:
     """Each error-memory total of the saved job, split evenly over this job's replicas;
     whether there was any."""
-    from tf_sparsify.keras.optimizer import find_sparsified
-
-    sparsified = find_sparsified(model.optimizer)
-    if sparsified is None:  # a plain Keras optimizer (enable_multi_worker_fit): no error memory
+    optimizer = wrapped.find_sparsified(model.optimizer)
+    if optimizer is None:  # a plain Keras optimizer (enable_multi_worker_fit): no error memory
         return False
-    optimizer, depth = model.optimizer, 0
-    while optimizer is not sparsified:
-        optimizer, depth = optimizer.inner_optimizer, depth + 1
+    depth = wrapped.depth(model.optimizer, optimizer)
     checkpoint = optimizer.exchange_checkpoint
     keys = checkpoint.per_replica_keys()
     index = {i: keys[id(v)] for i, v in enumerate(optimizer.variables) if id(v) in keys}

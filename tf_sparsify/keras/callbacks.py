@@ -5,8 +5,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tf_sparsify.keras.optimizer import find_sparsified
 from tf_sparsify.keras.summaries import write_scalar
+from tf_sparsify.keras.wrapped import find_sparsified
 
 
 class CompressionStats(keras.callbacks.Callback):

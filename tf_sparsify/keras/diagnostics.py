@@ -35,8 +35,8 @@ import tensorflow as tf
 
 from tf_sparsify.common.checks import check_int
 from tf_sparsify.core.measurements import summarize
-from tf_sparsify.keras.optimizer import find_sparsified
 from tf_sparsify.keras.summaries import write_scalar
+from tf_sparsify.keras.wrapped import find_sparsified
 
 
 class CompressionDiagnostics(keras.callbacks.Callback):

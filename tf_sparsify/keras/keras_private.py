@@ -147,24 +147,14 @@ def untracked_variable(
         )
 
 
-def disable_dense_all_reduce(optimizer: keras.optimizers.Optimizer | None) -> None:
-    """Turn off the dense gradient all-reduce of Keras' TF optimizers down a wrapper chain.
+def disable_dense_all_reduce(optimizer: keras.optimizers.Optimizer) -> None:
+    """Turn off the dense gradient all-reduce of one of Keras' TF optimizers.
 
     The TF backend all-reduces gradients inside ``apply`` when a replica context is active;
     the update a wrapper hands on is already the cross-replica average, so that reduction must
-    not run.
+    not run (:func:`tf_sparsify.keras.wrapped.skip_gradient_all_reduce` does it down a chain).
     """
-    while optimizer is not None:
-        optimizer._all_reduce_sum_gradients = _pass_through
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-
-
-def skip_gradient_all_reduce(optimizer: keras.optimizers.Optimizer):
-    """``optimizer`` (returned) without the dense gradient all-reduce Keras' TF optimizers run
-    in a replica context: for custom loops under ``tf.distribute`` whose gradients a
-    :class:`tf_sparsify.GradientExchange` has already exchanged."""
-    disable_dense_all_reduce(optimizer)
-    return optimizer
+    optimizer._all_reduce_sum_gradients = _pass_through
 
 
 def _pass_through(grads_and_vars):

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from tf_sparsify.core import replica_values
 from tf_sparsify.keras import backups, keras_private
+from tf_sparsify.keras.wrapped import find_sparsified
 
 #: the model whose ``fit``/``evaluate``/``predict`` call is running, when the repair applies
 _repaired_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -54,8 +55,6 @@ def install() -> None:
 
 def applies_to(model) -> bool:
     """Whether the repair applies to ``model`` (opted in, or compiled with our optimizer)."""
-    from tf_sparsify.keras.optimizer import find_sparsified
-
     return _state["all_models"] or find_sparsified(getattr(model, "optimizer", None)) is not None
 
 

@@ -23,7 +23,11 @@ from tf_sparsify.keras import (
     keras_private,
     multi_worker,
     sparse_sgd,
+    wrapped,
 )
+from tf_sparsify.keras.wrapped import find_sparsified
+
+__all__ = ["SparsifiedOptimizer", "find_sparsified"]
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
@@ -134,7 +138,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     def build(self, var_list):
         self._state.build(var_list)
         self.inner_optimizer.build(var_list)
-        keras_private.disable_dense_all_reduce(self.inner_optimizer)
+        wrapped.skip_gradient_all_reduce(self.inner_optimizer)
         # Keras' build would also make EMA and accumulator variables for the options read
         # through to the inner optimizer, which keeps its own: only index the variables here.
         keras_private.index_variables(self, var_list)
@@ -382,22 +386,10 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         return cls(inner, compressor, **config)
 
 
-def find_sparsified(optimizer) -> SparsifiedOptimizer | None:
-    """The SparsifiedOptimizer in a chain of wrappers (e.g. under a LossScaleOptimizer)."""
-    while optimizer is not None:
-        if isinstance(optimizer, SparsifiedOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return None
-
-
 def _dynamic_loss_scale(optimizer) -> tf.Tensor | None:
     """The dynamic scale of a LossScaleOptimizer in the wrapper chain below, if any."""
-    while optimizer is not None:
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            return tf.convert_to_tensor(optimizer.dynamic_scale)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return None
+    loss_scale = wrapped.find(optimizer, keras.optimizers.LossScaleOptimizer)
+    return None if loss_scale is None else tf.convert_to_tensor(loss_scale.dynamic_scale)
 
 
 def _times(tensor, factor: tf.Tensor) -> tf.Tensor | tf.IndexedSlices:
@@ -410,9 +402,7 @@ def _times(tensor, factor: tf.Tensor) -> tf.Tensor | tf.IndexedSlices:
 
 def _check_no_inner_momentum(optimizer) -> None:
     """Momentum correction already applies momentum: the inner optimizer must not add more."""
-    inner = optimizer
-    while isinstance(getattr(inner, "inner_optimizer", None), keras.optimizers.Optimizer):
-        inner = inner.inner_optimizer
+    inner = wrapped.innermost(optimizer)
     if isinstance(inner, keras.optimizers.SGD):
         if inner.momentum:
             raise ValueError(

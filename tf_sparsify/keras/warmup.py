@@ -14,7 +14,7 @@ from collections.abc import Callable
 import keras
 
 from tf_sparsify.heuristics.warmup import with_density
-from tf_sparsify.keras.optimizer import find_sparsified
+from tf_sparsify.keras.wrapped import find_sparsified
 
 
 class DensityWarmup(keras.callbacks.Callback):
