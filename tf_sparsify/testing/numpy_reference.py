@@ -3,7 +3,7 @@ and :mod:`tf_sparsify.ops.qsgd_buckets`, the QSGD bucket sizes it shares with th
 
 Arrays are raw IEEE bit patterns (uint16 for float16 and bfloat16, uint32, uint64) plus a
 ``kind`` naming the float type, so bfloat16 needs no NumPy support. It follows the ops'
-denormal policy (see :mod:`tf_sparsify.ops`), which is that of TensorFlow's CPU threads
+denormal policy (see :mod:`tf_sparsify.ops.pure_tf`), that of TensorFlow's CPU threads
 (x86 DAZ and FTZ): float32, float64 and bfloat16 (computed in float32) arithmetic sees denormal
 inputs as zero and flushes results that, rounded with an unbounded exponent, are below the
 smallest normal; float16 arithmetic (computed in float32, where its denormals are normal) is
