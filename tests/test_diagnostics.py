@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify as tfs
-from tf_sparsify.collectives.base import LocalCollective
+from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.core.measurements import gap_bound, summarize, unit_stats
 from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.keras import plot_diagnostics

@@ -196,8 +196,10 @@ def test_config_roundtrip_and_passthrough_of_learning_rate_and_iterations():
         keras.optimizers.Adam(schedule), tfs.QSGD(4, bucket_size=64), scope="global", min_size=7
     )
     again = tfs.SparsifiedOptimizer.from_config(opt.get_config())
-    assert again.compressor == opt.compressor and again.pipeline.scope == "global"
-    assert again.pipeline.min_size == 7 and isinstance(again.inner_optimizer, keras.optimizers.Adam)
+    assert again.compressor == opt.compressor and again.pipeline.options.scope == "global"
+    assert again.pipeline.options.min_size == 7 and isinstance(
+        again.inner_optimizer, keras.optimizers.Adam
+    )
     model, opt = compile_fit(
         lambda: tfs.SparsifiedOptimizer(keras.optimizers.SGD(schedule), tfs.TopK(k=3)), epochs=1
     )
@@ -261,13 +263,15 @@ def test_bad_arguments(kwargs, message):
 
 
 def test_error_feedback_defaults_follow_bias():
-    assert tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=1)).pipeline.error_feedback
+    assert tfs.SparsifiedOptimizer(
+        keras.optimizers.SGD(0.1), tfs.TopK(k=1)
+    ).pipeline.options.error_feedback
     assert not tfs.SparsifiedOptimizer(
         keras.optimizers.SGD(0.1), tfs.QSGD(2)
-    ).pipeline.error_feedback
+    ).pipeline.options.error_feedback
     assert tfs.SparsifiedOptimizer(
         keras.optimizers.SGD(0.1), tfs.QSGD(2), error_feedback=True
-    ).pipeline.error_feedback
+    ).pipeline.options.error_feedback
 
 
 def test_embedding_indexed_slices_gradients_train():

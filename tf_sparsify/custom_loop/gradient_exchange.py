@@ -23,18 +23,13 @@ import tensorflow as tf
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.core.pipeline import GradientPipeline
-from tf_sparsify.core.state import CompressionState, StateViews
+from tf_sparsify.core.state import CompressionState
+from tf_sparsify.core.state_kinds import StateKind
 from tf_sparsify.core.transport import Transport
-
-#: how a cross-replica read combines each kind of state variable under a strategy
-_AGGREGATION = {
-    "per_replica": tf.VariableAggregation.SUM,
-    "per_replica_mean": tf.VariableAggregation.MEAN,
-    "replicated": tf.VariableAggregation.ONLY_FIRST_REPLICA,
-}
+from tf_sparsify.custom_loop.front_end import FrontEnd
 
 
-class GradientExchange(StateViews, tf.Module):
+class GradientExchange(FrontEnd, tf.Module):
     """Compress, exchange and average one list of gradients per step.
 
     The same :class:`~tf_sparsify.core.pipeline.GradientPipeline` and
@@ -67,35 +62,22 @@ class GradientExchange(StateViews, tf.Module):
         super().__init__(name=name)
         pipeline = GradientPipeline(Identity() if compressor is None else compressor, **options)
         self._state = CompressionState(pipeline, self._make_variable, transport)
-        self._state.step = self._state.new_variable("step", (), tf.int64, "shared")
+        self._state.step = self._state.new_variable("step", (), tf.int64, StateKind.SHARED)
         self._state.enable_diagnostics(diagnostics_every)
         #: what ``tf.train.Checkpoint(exchange=...)`` saves: the whole state as one entry
         self._checkpointed = self._state.checkpoint
         # The variables' signature, kept out of checkpoints (plain objects are not tracked).
         self._signature: list | None = None
 
-    def _make_variable(self, name: str, shape, dtype, kind: str) -> tf.Variable:
-        """A zero variable; under a strategy each replica writes its own copy of per-replica
-        kinds (sync-on-read), and counters are written by the first replica."""
+    def _make_variable(self, name: str, shape, dtype, kind: StateKind) -> tf.Variable:
+        """A zero variable; under a strategy held across replicas as its kind says (each
+        replica writes its own copy of per-replica kinds, counters the first replica)."""
         sync = {}
         if tf.distribute.has_strategy():
-            if kind in _AGGREGATION:
-                sync = {
-                    "synchronization": tf.VariableSynchronization.ON_READ,
-                    "aggregation": _AGGREGATION[kind],
-                }
-            else:
-                sync = {"aggregation": tf.VariableAggregation.ONLY_FIRST_REPLICA}
+            kind = StateKind(kind)
+            sync = {"synchronization": kind.synchronization, "aggregation": kind.aggregation}
         with tf.init_scope():
             return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name, **sync)
-
-    @property
-    def pipeline(self) -> GradientPipeline:
-        return self._state.pipeline
-
-    @property
-    def transport(self) -> Transport:
-        return self._state.transport
 
     @property
     def step(self) -> tf.Variable:
@@ -105,7 +87,7 @@ class GradientExchange(StateViews, tf.Module):
         """Whether this exchange must outlive one step: it keeps residuals or momenta, or
         draws randomness."""
         pipeline = self.pipeline
-        stateful = pipeline.error_feedback or pipeline.momentum_correction > 0
+        stateful = pipeline.options.error_feedback or pipeline.options.momentum_correction > 0
         return stateful or pipeline.compressor.randomized
 
     def build(self, variables: Sequence) -> None:

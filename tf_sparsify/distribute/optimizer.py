@@ -8,12 +8,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_sparsify.collectives.base import Collective
+from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.error_memory import mark_non_finite
-from tf_sparsify.core.pipeline import StepResult
-from tf_sparsify.core.transport import SimulatedWorkersTransport
+from tf_sparsify.core.step import StepResult
 from tf_sparsify.distribute.servers import Server, deserialize_server, serialize_server
+from tf_sparsify.distribute.simulated_workers import SimulatedWorkersTransport
 from tf_sparsify.keras import keras_private
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 
@@ -65,10 +65,11 @@ class ServerOptimizer(SparsifiedOptimizer):
             )
         transport = None if workers is None else SimulatedWorkersTransport(workers)
         super().__init__(inner_optimizer, compressor, transport=transport, **kwargs)
-        if workers is not None and self.pipeline.local_clipnorm is not None:
+        if workers is not None and self.pipeline.options.local_clipnorm is not None:
             raise ValueError(
                 "`local_clipnorm` is not supported with simulated `workers`; "
-                f"received local_clipnorm={self.pipeline.local_clipnorm!r}, workers={workers!r}"
+                f"received local_clipnorm={self.pipeline.options.local_clipnorm!r}, "
+                f"workers={workers!r}"
             )
         self.server = server
         self.simulated_workers = workers

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_sparsify.collectives.base import SimulatedWorkerCollective
+from tf_sparsify.collectives import SimulatedWorkerCollective
 from tf_sparsify.keras.wrapped import find_sparsified
 
 __all__ = ["SimulatedWorkerCollective", "SimulatedWorkers"]

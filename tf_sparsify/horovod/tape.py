@@ -92,7 +92,7 @@ class DistributedGradientTape:
             if exchange.needs_state():
                 raise ValueError(
                     f"compressor={exchange.pipeline.compressor!r} with "
-                    f"error_feedback={exchange.pipeline.error_feedback} keeps state across "
+                    f"error_feedback={exchange.pipeline.options.error_feedback} keeps state across "
                     "steps (residuals or an RNG step) that a per-step tape would lose: create "
                     "`exchange = tf_sparsify.horovod.GradientExchange(compressor, ...)` once and "
                     "pass `exchange=exchange`."

@@ -1,8 +1,10 @@
-"""The options of Keras' base optimizer, which a wrapper hands to the optimizer it wraps.
+"""The options and state of Keras' base optimizer, which a wrapper hands to the optimizer it
+wraps.
 
 A :class:`~tf_sparsify.SparsifiedOptimizer` applies updates through its inner optimizer, so
 ``weight_decay``, ``clipnorm``, ``use_ema``, ... belong there: the wrapper refuses them as its
-own arguments and reads and writes them through to the inner optimizer.
+own arguments and reads and writes them through to the inner optimizer. So do the learning
+rate, the step count and the EMA of the model variables, as on Keras' ``LossScaleOptimizer``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,24 @@ INNER_OPTIONS = (
     "loss_scale_factor",
     "gradient_accumulation_steps",
 )
+#: the inner optimizer's state, also read (and, the learning rate, written) through the wrapper;
+#: ``_model_variables_moving_average`` is read by ``keras.callbacks.SwapEMAWeights``
+INNER_STATE = ("learning_rate", "iterations", "_model_variables_moving_average")
+
+
+def refuse(kwargs: dict, wrapper: str) -> None:
+    """ValueError for an option of :data:`INNER_OPTIONS` given to the wrapper itself."""
+    for option in INNER_OPTIONS:
+        if option in kwargs:
+            raise ValueError(
+                f"{wrapper} does not take `{option}` (received {option}={kwargs[option]!r}): "
+                "set it on the inner optimizer, where it acts on the averaged, decompressed "
+                "update."
+            )
 
 
 class _InnerOption:
-    """An option of the inner optimizer, read and written through the wrapper.
+    """An option (or state) of the inner optimizer, read and written through the wrapper.
 
     Keras' own wrappers (``LossScaleOptimizer``, ``MultiOptimizer``) and callbacks
     (``SwapEMAWeights``) read and set these on the optimizer they hold; the wrapper passes them
@@ -46,8 +62,8 @@ class _InnerOption:
 
 
 def read_through(cls: type) -> type:
-    """Class decorator: every option of :data:`INNER_OPTIONS` on ``cls`` reads and writes its
-    ``inner_optimizer``'s."""
-    for name in INNER_OPTIONS:
+    """Class decorator: every name of :data:`INNER_OPTIONS` and :data:`INNER_STATE` on ``cls``
+    reads and writes its ``inner_optimizer``'s."""
+    for name in INNER_OPTIONS + INNER_STATE:
         setattr(cls, name, _InnerOption(name))
     return cls

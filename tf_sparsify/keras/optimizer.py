@@ -8,15 +8,15 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_sparsify.collectives.base import Collective
+from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor, deserialize
 from tf_sparsify.compressors.rounds import SparseUpdate
-from tf_sparsify.core import replica_values
-from tf_sparsify.core.checkpoint import Entry
 from tf_sparsify.core.options import ExchangeOptions
-from tf_sparsify.core.pipeline import GradientPipeline, StepResult
-from tf_sparsify.core.state import CompressionState, StateViews
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.state import CompressionState
+from tf_sparsify.core.step import StepResult
 from tf_sparsify.core.transport import Transport
+from tf_sparsify.custom_loop.front_end import FrontEnd
 from tf_sparsify.keras import (
     auto_jit,
     inner_options,
@@ -25,6 +25,7 @@ from tf_sparsify.keras import (
     sparse_sgd,
     wrapped,
 )
+from tf_sparsify.keras.optimizer_variables import OptimizerVariables
 from tf_sparsify.keras.wrapped import find_sparsified
 
 __all__ = ["SparsifiedOptimizer", "find_sparsified"]
@@ -32,7 +33,7 @@ __all__ = ["SparsifiedOptimizer", "find_sparsified"]
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
 @inner_options.read_through
-class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
+class SparsifiedOptimizer(OptimizerVariables, FrontEnd, keras.optimizers.Optimizer):
     """Wraps any Keras 3 optimizer; each replica compresses its own gradient.
 
     Per step and replica: ``acc = residual + grad`` (with error feedback), the compressed
@@ -91,13 +92,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         **kwargs: Any,
     ):
         options = ExchangeOptions.take(kwargs)
-        for option in inner_options.INNER_OPTIONS:
-            if option in kwargs:
-                raise ValueError(
-                    f"SparsifiedOptimizer does not take `{option}` (received "
-                    f"{option}={kwargs[option]!r}): set it on the inner optimizer, where it acts "
-                    "on the averaged, decompressed update."
-                )
+        inner_options.refuse(kwargs, "SparsifiedOptimizer")
         if kwargs:
             raise ValueError(f"SparsifiedOptimizer got unknown arguments: {sorted(kwargs)}")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
@@ -110,7 +105,7 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         auto_jit.install()
         self.inner_optimizer = inner_optimizer
         pipeline = GradientPipeline(compressor, options)
-        if pipeline.momentum_correction > 0:
+        if pipeline.options.momentum_correction > 0:
             _check_no_inner_momentum(inner_optimizer)
         self._state = CompressionState(
             pipeline,
@@ -120,18 +115,6 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
             also_saved=self._optimizer_entries,
         )
         self._state.enable_diagnostics(diagnostics_every)
-
-    @property
-    def pipeline(self) -> GradientPipeline:
-        return self._state.pipeline
-
-    @property
-    def compressor(self) -> Compressor:
-        return self.pipeline.compressor
-
-    @property
-    def transport(self) -> Transport:
-        return self._state.transport
 
     # -- state --------------------------------------------------------------------------------
     @keras_private.no_automatic_dependency_tracking
@@ -144,35 +127,6 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         keras_private.index_variables(self, var_list)
         self.built = True
         self._state.checkpoint.build()  # a restore that came first
-
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        """In checkpoints, the whole optimizer is one named entry (this wrapper's, the
-        exchange state's and the inner optimizer's variables; every replica's rows), checked
-        before a restore assigns anything (:mod:`tf_sparsify.core.checkpoint`)."""
-        if save_type != "checkpoint":
-            return super()._trackable_children(save_type, **kwargs)
-        return {"tf_sparsify_optimizer": self._state.checkpoint}
-
-    def _optimizer_entries(self) -> list[Entry]:
-        """This wrapper's and the inner optimizer's variables, for the checkpoint entry."""
-        own = [Entry(f"optimizer/{i}", v, "shared", v.path) for i, v in enumerate(self._variables)]
-        inner = [
-            Entry(f"inner/{i}", v, "shared", v.path)
-            for i, v in enumerate(self.inner_optimizer.variables)
-        ]
-        return own + inner
-
-    def _make_variable(self, name: str, shape, dtype, kind: str) -> keras.Variable:
-        """A variable of the exchange state (in :attr:`variables`; checkpointed as the
-        state's one entry)."""
-        if kind == "shared":
-            return keras_private.untracked_variable(
-                self, shape, dtype, name, "only_first_replica", "auto"
-            )
-        aggregation = {"per_replica_mean": "mean", "replicated": "only_first_replica"}
-        return keras_private.untracked_variable(
-            self, shape, dtype, name, aggregation.get(kind, "sum"), "on_read"
-        )
 
     @property
     def diagnostics_every(self) -> int:
@@ -196,29 +150,6 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
         variables = keras_private.trainable_variables(self) if self.built else None
         self._state.set_pipeline(self.pipeline.with_compressor(deserialize(compressor)), variables)
 
-    @property
-    def variables(self):
-        """This wrapper's own variables, the exchange state's, then the inner optimizer's."""
-        state = [entry.variable for entry in self._state.saved]
-        return self._variables + state + self.inner_optimizer.variables
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    @property
-    def _model_variables_moving_average(self):
-        """The inner optimizer's EMA of the model variables (read by ``SwapEMAWeights``)."""
-        return self.inner_optimizer._model_variables_moving_average
-
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
 
@@ -228,65 +159,6 @@ class SparsifiedOptimizer(StateViews, keras.optimizers.Optimizer):
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """As on the inner optimizer, which applies the weight decay."""
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
-
-    def get_weights(self) -> list:
-        """The values of :attr:`variables` (this wrapper's, then the inner optimizer's)."""
-        return [v.numpy() for v in self.variables]
-
-    def set_weights(self, weights) -> None:
-        """Assign :attr:`variables` (this wrapper's and the inner optimizer's) from ``weights``."""
-        if not self.built:
-            raise ValueError(
-                "You are calling `set_weights()` on an optimizer that has not yet been built: "
-                "call `optimizer.build(trainable_variables)` first."
-            )
-        variables = self.variables
-        weights = list(weights)
-        if len(weights) != len(variables):
-            raise ValueError(
-                f"`weights` must hold {len(variables)} arrays, one per optimizer variable; "
-                f"received {len(weights)}."
-            )
-        for variable, weight in zip(variables, weights, strict=True):
-            if tuple(variable.shape) != tuple(weight.shape):
-                raise ValueError(
-                    f"Optimizer variable {variable.path} has shape {tuple(variable.shape)}; "
-                    f"received a weight of shape {tuple(weight.shape)}."
-                )
-            variable.assign(weight)
-
-    def save_own_variables(self, store) -> None:
-        """Keras' saving (``.keras``, ``.weights.h5``): per-replica variables (residuals,
-        momenta) as the stack of this process's replica values, read without a collective
-        (:mod:`tf_sparsify.core.replica_values`)."""
-        for i, variable in enumerate(self.variables):
-            store[str(i)] = replica_values.saved_value(variable)
-
-    def load_own_variables(self, store) -> None:
-        """Restore what :meth:`save_own_variables` wrote: every value is checked before any is
-        assigned; each replica gets its own saved value back."""
-        variables = self.variables
-        if len(store.keys()) != len(variables):
-            warnings.warn(
-                f"Skipping variable loading for optimizer '{self.name}': it has "
-                f"{len(variables)} variables, the saved optimizer {len(store.keys())}.",
-                stacklevel=2,
-            )
-            return
-        saved = [store[str(i)] for i in range(len(variables))]
-        for variable, value in zip(variables, saved, strict=True):
-            replica_values.check_restorable(variable, value, variable.path)
-        for variable, value in zip(variables, saved, strict=True):
-            replica_values.restore(variable, value, variable.path)
-        _, world = self.transport.checkpoint_rows(1)
-        if world > 1 and any(r is not None for r in self.residuals + self.momenta):
-            warnings.warn(
-                "A Keras file holds the error memory (residuals, momenta) of the process that "
-                f"wrote it; each of the {world} ranks restoring it now continues from those, "
-                "not from its own. For every rank's own, use tf.train.Checkpoint after "
-                "tf_sparsify.horovod.gather_error_memory (see tf_sparsify.core.checkpoint).",
-                stacklevel=2,
-            )
 
     # -- one step -----------------------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import keras
 
-from tf_sparsify.core.state import StateViews
+from tf_sparsify.core.state_views import StateViews
 from tf_sparsify.keras import keras_private
 
 
