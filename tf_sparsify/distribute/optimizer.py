@@ -105,8 +105,9 @@ class ServerOptimizer(SparsifiedOptimizer):
         return list(self._tables)
 
     # -- one step -----------------------------------------------------------------------------
-    def exchange(self, grads: list, collective: Collective) -> StepResult:
-        """Every worker's contribution through the state core, then through the server."""
+    def compression_step(self, grads: list, collective: Collective) -> StepResult:
+        """Every worker's contribution through the compression state, then through the
+        server."""
         if self.simulated_workers is None and collective.num_replicas != self.worker_count:
             raise ValueError(
                 f"ServerOptimizer was built for {self.worker_count} workers but runs on "

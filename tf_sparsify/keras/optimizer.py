@@ -189,7 +189,7 @@ class SparsifiedOptimizer(OptimizerVariables, FrontEnd, keras.optimizers.Optimiz
         if scale is not None:
             ordered = [None if g is None else _times(g, 1.0 / scale) for g in ordered]
         with keras.name_scope(self.name, caller=self):
-            result = self.exchange(ordered, self.collective(ordered))
+            result = self.compression_step(ordered, self.collective(ordered))
         updates = result.updates
         if scale is not None:
             updates = [None if u is None else _times(u, scale) for u in updates]
@@ -218,15 +218,27 @@ class SparsifiedOptimizer(OptimizerVariables, FrontEnd, keras.optimizers.Optimiz
         (in build order; ``None``: every variable has a gradient)."""
         return self._state.collective(grads)
 
-    def exchange(self, grads: list, collective: Collective) -> StepResult:
-        """One step of the state core on gradients in build order (residuals, momenta,
-        counters and diagnostics are updated). Updates of TopK-compressed variables come as
+    def compression_step(self, grads: list, collective: Collective) -> StepResult:
+        """Compress the gradients (in build order), send the payloads through ``collective``
+        and combine what arrives: the step of the compression state that :meth:`apply` hands
+        on to the inner optimizer (residuals, momenta, counters and diagnostics are updated).
+        Updates of TopK-compressed variables come as
         :class:`~tf_sparsify.core.pipeline.SparseUpdate` when the inner optimizer is plain SGD
         (:func:`~tf_sparsify.keras.sparse_sgd.applies_in_place`)."""
         sparse = self._state.gives_sparse_updates and sparse_sgd.applies_in_place(
             self.inner_optimizer, keras_private.trainable_variables(self)
         )
         return self._state.run(grads, collective, sparse_updates=sparse)
+
+    def exchange(self, grads: list, collective: Collective) -> StepResult:
+        """Deprecated: the old name of :meth:`compression_step` (removed in tf_sparsify 0.3)."""
+        warnings.warn(
+            "`SparsifiedOptimizer.exchange` is now `compression_step`; the old name will be "
+            "removed in tf_sparsify 0.3.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.compression_step(grads, collective)
 
     def _in_build_order(self, grads: list, variables: list | None) -> list:
         count = len(keras_private.trainable_variables(self))
