@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
+from tf_sparsify.horovod.byte_counters import HorovodByteCounters
 from tf_sparsify.horovod.transport import HorovodTransport
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
 
 
 @keras.saving.register_keras_serializable(package="tf_sparsify")
-class DistributedOptimizer(SparsifiedOptimizer):
+class DistributedOptimizer(HorovodByteCounters, SparsifiedOptimizer):
     """A :class:`~tf_sparsify.keras.SparsifiedOptimizer` whose payloads travel by Horovod (its
     transport is a :class:`~tf_sparsify.horovod.HorovodTransport`).
 
@@ -58,27 +58,6 @@ class DistributedOptimizer(SparsifiedOptimizer):
             transport=HorovodTransport(ranks_per_node),
             **kwargs,
         )
-
-    @property
-    def ranks_per_node(self) -> int | None:
-        return self.transport.ranks_per_node
-
-    @property
-    def bytes_to_horovod(self) -> tf.Variable:
-        """Payload bytes this process has handed to Horovod's collectives (not checkpointed);
-        with ``ranks_per_node``, the bytes that crossed nodes."""
-        return self.transport.horovod_bytes
-
-    @property
-    def bytes_across_nodes(self) -> tf.Variable | None:
-        """With ``ranks_per_node``: the payload bytes this process sent across nodes."""
-        return self.transport.bytes_across_nodes
-
-    @property
-    def bytes_within_nodes(self) -> tf.Variable | None:
-        """With ``ranks_per_node``: the dense bytes this process handed to the reduce-scatter
-        and all-gather inside its node."""
-        return self.transport.bytes_within_nodes
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

@@ -24,10 +24,11 @@ import tensorflow as tf
 
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.custom_loop import gradient_exchange as exchange
+from tf_sparsify.horovod.byte_counters import HorovodByteCounters
 from tf_sparsify.horovod.transport import HorovodTransport
 
 
-class GradientExchange(exchange.GradientExchange):
+class GradientExchange(HorovodByteCounters, exchange.GradientExchange):
     """A :class:`tf_sparsify.GradientExchange` whose payloads travel by Horovod (its transport
     is a :class:`~tf_sparsify.horovod.HorovodTransport`), averaged over the ranks.
 
@@ -51,22 +52,6 @@ class GradientExchange(exchange.GradientExchange):
         super().__init__(
             compressor, HorovodTransport(ranks_per_node), diagnostics_every, name, **options
         )
-
-    @property
-    def ranks_per_node(self) -> int | None:
-        return self.transport.ranks_per_node
-
-    @property
-    def bytes_to_horovod(self) -> tf.Variable:
-        return self.transport.horovod_bytes
-
-    @property
-    def bytes_across_nodes(self) -> tf.Variable | None:
-        return self.transport.bytes_across_nodes
-
-    @property
-    def bytes_within_nodes(self) -> tf.Variable | None:
-        return self.transport.bytes_within_nodes
 
 
 class DistributedGradientTape:
