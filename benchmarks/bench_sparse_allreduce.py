@@ -90,6 +90,7 @@ def worker(ratio: float, steps: int) -> None:
 
     import tf_sparsify as tfs
     from tf_sparsify.core.pipeline import GradientPipeline
+    from tf_sparsify.core.step import StepMemory
     from tf_sparsify.horovod import HorovodCollective
 
     class Counting(HorovodCollective):
@@ -148,7 +149,8 @@ def worker(ratio: float, steps: int) -> None:
             grads = tape.gradient(loss, model.trainable_variables)
             before = (int(sent_var.numpy()), int(got_var.numpy()))
             collective = Counting(sent_var, got_var)
-            out = pipeline.run_step(units, grads, residuals, tf.constant(t, tf.int64), collective)
+            memory = StepMemory(residuals, tf.constant(t, tf.int64))
+            out = pipeline.run(units, grads, memory, collective)
             residuals = out.residuals
             for w, u in zip(weights, out.updates, strict=True):
                 w.assign_sub(0.1 * u)

@@ -15,10 +15,12 @@ import tensorflow as tf
 import tf_sparsify as tfs
 from tests.powersgd_reference import numpy_powersgd, orthonormal, seeded_q
 from tests.test_optimizer import X, Y, checkpoint_run, compile_fit
-from tf_sparsify.collectives.base import LocalCollective, ReplicaContextCollective
+from tf_sparsify.collectives import LocalCollective, ReplicaContextCollective
 from tf_sparsify.compressors import deserialize, serialize
 from tf_sparsify.compressors.base import check_contraction
-from tf_sparsify.core.pipeline import GradientPipeline, bytes_per_step
+from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.plan import bytes_per_step
+from tf_sparsify.core.step import StepFlags, StepMemory
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
 
 # compressed as 12x5, compressed as 12x6, a vector, a matrix where rank 2 does not pay
@@ -48,13 +50,11 @@ def local_run(pipeline: GradientPipeline, grads: list[np.ndarray], dtype=tf.floa
     states = zero_states(units)
     steps = []
     for t in range(grads[0].shape[0]):
-        out = pipeline.run_step(
+        out = pipeline.run(
             units,
             [tf.constant(g[t, 0], dtype) for g in grads],
-            residuals,
-            tf.constant(t, tf.int64),
+            StepMemory(residuals, tf.constant(t, tf.int64), states=states),
             LocalCollective(),
-            states=states,
         )
         residuals = [r if n is None else n for r, n in zip(residuals, out.residuals, strict=True)]
         states = out.states
@@ -72,13 +72,11 @@ def mirrored_run(strategy, pipeline: GradientPipeline, grads: list[np.ndarray]):
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
             r = ctx.replica_id_in_sync_group
-            out = pipeline.run_step(
+            out = pipeline.run(
                 units,
                 [x[r] for x in g],
-                [x[r] for x in e],
-                t,
+                StepMemory([x[r] for x in e], t, states=[tuple(x[r] for x in st) for st in s]),
                 ReplicaContextCollective(ctx),
-                states=[tuple(x[r] for x in st) for st in s],
             )
             return out.updates, out.residuals, out.states, out.finite
 
@@ -162,13 +160,11 @@ def test_warm_start_keeps_q_and_draws_only_its_zero_columns():
     units = pipeline.plan([(12, 5)], [tf.float64])
 
     def run(step, q):
-        out = pipeline.run_step(
+        out = pipeline.run(
             units,
             [tf.constant(g)],
-            [None],
-            tf.constant(step, tf.int64),
+            StepMemory([None], tf.constant(step, tf.int64), states=[(tf.constant(q),)]),
             LocalCollective(),
-            states=[(tf.constant(q),)],
         )
         return out.updates[0].numpy(), out.states[0][0].numpy()
 
@@ -283,7 +279,7 @@ def test_sixteen_bit_gradients_are_factored_in_float32():
 
 def test_error_feedback_is_on_by_default_and_allowed_without_a_contraction():
     pipeline = GradientPipeline(tfs.PowerSGD(1))
-    assert pipeline.error_feedback and tfs.PowerSGD(1).contraction(60) is None
+    assert pipeline.options.error_feedback and tfs.PowerSGD(1).contraction(60) is None
     assert pipeline.needs_residual(pipeline.plan([(12, 5)], [tf.float32]), 1) == [True]
     assert check_contraction(tfs.PowerSGD(1), 60) is None
     with pytest.raises(ValueError, match="error_feedback"):  # other compressors still checked
@@ -308,17 +304,17 @@ def test_bad_options_are_named():
     pipeline = GradientPipeline(tfs.PowerSGD(1))
     units = pipeline.plan([(12, 5)], [tf.float32])
     with pytest.raises(ValueError, match="per_replica"):
-        pipeline.run_step(
+        pipeline.run(
             units,
             [tf.ones((12, 5))],
-            [tf.zeros((12, 5))],
-            0,
+            StepMemory([tf.zeros((12, 5))], 0, states=zero_states(units)),
             LocalCollective(),
-            per_replica=True,
-            states=zero_states(units),
+            StepFlags(per_replica=True),
         )
     with pytest.raises(ValueError, match="state"):  # a front end that keeps no Q
-        pipeline.run_step(units, [tf.ones((12, 5))], [tf.zeros((12, 5))], 0, LocalCollective())
+        pipeline.run(
+            units, [tf.ones((12, 5))], StepMemory([tf.zeros((12, 5))], 0), LocalCollective()
+        )
     opt = ServerOptimizer(keras.optimizers.SGD(0.1), tfs.PowerSGD(1), server=DelayedGradients(1))
     v = keras.Variable(tf.zeros((12, 5)))
     with pytest.raises(ValueError, match="per_replica"):
@@ -433,8 +429,11 @@ def test_powersgd_float16_overflow_through_the_pipeline_is_reported_non_finite()
     bad_steps = 0
     for t in range(4):
         g = tf.constant(grad * (1 if t % 2 == 0 else -1))
-        out = pipeline.run_step(
-            units, [g], [residual], tf.constant(t, tf.int64), LocalCollective(), states=states
+        out = pipeline.run(
+            units,
+            [g],
+            StepMemory([residual], tf.constant(t, tf.int64), states=states),
+            LocalCollective(),
         )
         update, new_residual = out.updates[0].numpy(), out.residuals[0].numpy()
         if bool(out.finite):
