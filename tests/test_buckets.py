@@ -155,7 +155,7 @@ def mirrored_step(strategy, compressor, poison_replica: int, poison_var: int, bu
         def replica_fn():
             r = tf.distribute.get_replica_context().replica_id_in_sync_group
             grads = [tf.gather(tf.stack([by_replica[0][i], by_replica[1][i]]), r) for i in (0, 1)]
-            result = opt.exchange(grads, opt.collective())
+            result = opt.compression_step(grads, opt.collective())
             return [tf.reduce_all(tf.math.is_finite(u)) for u in result.updates] + [result.finite]
 
         return strategy.run(replica_fn)

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tf_sparsify import ops
 from tf_sparsify.common.checks import check_float_dtype, is_number
+from tf_sparsify.common.registry import Registry
 from tf_sparsify.compressors import error_memory
 from tf_sparsify.compressors.rounds import Started, entries_round, one_round, scaled
 
@@ -20,9 +21,6 @@ Payload = tuple[tf.Tensor, ...]
 if TYPE_CHECKING:
     from tf_sparsify.compressors.error_memory import UnitMemory
     from tf_sparsify.compressors.rounds import ReplicaGroup, Rounds
-
-
-_REGISTRY: dict[str, type[Compressor]] = {}
 
 
 class Context:
@@ -95,7 +93,7 @@ class Compressor(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
-        _REGISTRY[cls.__name__] = cls
+        COMPRESSORS.add(cls)
         for capability in ("travels_as_rows", "packs_in_buckets"):
             if capability not in cls.__dict__:
                 setattr(cls, capability, False)
@@ -166,6 +164,10 @@ class Compressor(abc.ABC):
         the protocol the pipeline drives from here. ``per_replica``: every replica's
         contribution is wanted (delayed updates, IAG); ``sparse_update``: the update may come
         as gathered entries (:class:`~tf_sparsify.compressors.rounds.SparseUpdate`)."""
+
+
+#: every Compressor subclass, by name (for configs)
+COMPRESSORS = Registry("compressor", Compressor)
 
 
 class Codec(Compressor):
@@ -366,17 +368,12 @@ class MultiRoundMethod(Compressor):
 
 def serialize(compressor: Compressor) -> dict[str, Any]:
     """``{"class_name": ..., "config": ...}`` for Keras configs."""
-    return {"class_name": type(compressor).__name__, "config": compressor.get_config()}
+    return COMPRESSORS.serialize(compressor)
 
 
 def deserialize(config: dict[str, Any] | Compressor) -> Compressor:
     """Inverse of :func:`serialize`; a compressor instance passes through."""
-    if isinstance(config, Compressor):
-        return config
-    name = config.get("class_name") if isinstance(config, dict) else None
-    if name not in _REGISTRY:
-        raise ValueError(f"Unknown compressor: {config!r}. Known: {sorted(_REGISTRY)}")
-    return _REGISTRY[name].from_config(config.get("config", {}))
+    return COMPRESSORS.deserialize(config)
 
 
 def check_ratio(ratio: Any) -> float:

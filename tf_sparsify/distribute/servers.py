@@ -24,6 +24,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify.common.checks import check_int, check_seed
+from tf_sparsify.common.registry import Registry
 from tf_sparsify.compressors.base import rng_seed
 
 DELAY_MODELS = ("fixed", "random", "per_replica")
@@ -35,6 +36,10 @@ REFRESH_RULES = ("cyclic", "random")
 
 class Server:
     """Interface: a table layout, a per-step schedule and the combine rule."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Server:
+        return cls(**config)
 
     def table_dims(self, num_workers: int) -> tuple[int, ...]:
         """Leading dimensions of the table kept for each variable."""
@@ -218,18 +223,15 @@ class IAG(Server):
         return {"refresh": self.refresh, "num_refresh": self.num_refresh, "seed": self.seed}
 
 
-_SERVERS = {"DelayedGradients": DelayedGradients, "IAG": IAG}
+_SERVERS = Registry("server", Server)
+_SERVERS.add(DelayedGradients)
+_SERVERS.add(IAG)
 
 
 def serialize_server(server: Server) -> dict[str, Any]:
-    return {"class_name": type(server).__name__, "config": server.get_config()}
+    return _SERVERS.serialize(server)
 
 
 def deserialize_server(config: dict[str, Any] | Server) -> Server:
     """Inverse of :func:`serialize_server`; a server instance passes through."""
-    if isinstance(config, Server):
-        return config
-    name = config.get("class_name") if isinstance(config, dict) else None
-    if name not in _SERVERS:
-        raise ValueError(f"Unknown server: {config!r}. Known: {sorted(_SERVERS)}")
-    return _SERVERS[name](**config.get("config", {}))
+    return _SERVERS.deserialize(config)
