@@ -6,7 +6,7 @@ VENV ?= .venv
 EXTRAS ?= cpu,demo,test
 PY := $(VENV)/bin/python
 
-.PHONY: setup ops horovod sysdeps demo test lint format bench-network docs wheel
+.PHONY: setup ops horovod sysdeps demo test test-quick lint format bench-network docs wheel
 
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +34,11 @@ sysdeps:
 demo: setup
 	$(PY) examples/digits_demo.py $(DEMO_ARGS)
 
+# ruff, then import-linter's contracts (.importlinter: which layers may import which).
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 # The documentation site (mkdocs.yml, docs/) into site/; warnings are errors.
 docs: $(VENV)/.installed
@@ -46,9 +48,16 @@ docs: $(VENV)/.installed
 bench-network: setup horovod sysdeps
 	$(PY) -m benchmarks.network $(BENCH_ARGS)
 
-# Two pytest workers (both cores); each test file stays on one, so its fixtures launch once.
+# Two pytest workers (both cores); each test file stays on one, so its fixtures launch once. The
+# files that launch the most processes start first (tests/conftest.py orders them).
 test: setup horovod sysdeps lint
-	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
+# The inner loop: every test but those that launch processes (pytest.mark.processes: Horovod,
+# multi-worker jobs, pip, wheel and site builds, documentation examples); needs no Horovod. No
+# module fixture is left to share, so the tests go to either worker one by one.
+test-quick: setup
+	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q -n 2 --dist load -m "not processes"
 
 format: $(VENV)/.installed
 	$(PY) -m ruff format .

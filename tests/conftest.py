@@ -7,7 +7,10 @@ count run in a subprocess (see ``run_python``).
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,3 +64,55 @@ def run_python(code: str, timeout: int = 300, env: dict | None = None) -> str:
     )
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+# -- test selection and order ------------------------------------------------------------------
+#: what in a function's own code launches a process or needs Horovod (built by `make horovod`)
+LAUNCHES = re.compile(
+    r"\b(?:run_python|run_local_workers|horovodrun|subprocess\.(?:run|Popen|check_call"
+    r"|check_output))\(|\bimport horovod\b|\bfrom horovod\b|\btf_sparsify\.horovod\b"
+)
+_launchers: dict[str, set[str]] = {}
+
+
+def _launching_functions(module) -> set[str]:
+    """The names of ``module``'s top-level functions whose code launches a process (or needs
+    Horovod), or calls one of its helpers that does."""
+    if module.__name__ not in _launchers:
+        source = inspect.getsource(module)
+        functions = {
+            node.name: ast.get_source_segment(source, node)
+            for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef)
+        }
+        helpers = {n for n, code in functions.items() if not n.startswith("test")}
+        launching = {n for n, code in functions.items() if LAUNCHES.search(code)}
+        calls = launching & helpers
+        if calls:
+            names = "|".join(sorted(calls))
+            call = re.compile(rf"\b(?:{names})\(")
+            launching |= {n for n, code in functions.items() if call.search(code)}
+        _launchers[module.__name__] = launching
+    return _launchers[module.__name__]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks ``processes`` every test whose own code (or a helper of its module that it calls)
+    launches a process or imports Horovod, as the test files mark those that launch through
+    fixtures; then orders the files, those with the most such tests first, then the most tests
+    (``make test`` turns xdist's own reordering off): each file stays on one worker, and the
+    long ones start while the short ones can still fill the gaps."""
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and item.module is not None:
+            if getattr(item, "originalname", item.name) in _launching_functions(item.module):
+                item.add_marker(pytest.mark.processes)
+    tests: dict = {}
+    launching: dict = {}
+    for item in items:
+        tests[item.path] = tests.get(item.path, 0) + 1
+        if item.get_closest_marker("processes"):
+            launching[item.path] = launching.get(item.path, 0) + 1
+    rank = {path: (-launching.get(path, 0), -count) for path, count in tests.items()}
+    items.sort(key=lambda item: rank[item.path])

@@ -53,6 +53,7 @@ def test_install_horovod_runs_the_installer_in_the_package_that_make_and_scripts
     assert "horovod: setup\n\t$(PY) -m tf_sparsify install-horovod\n" in makefile
 
 
+@pytest.mark.processes
 def test_install_horovod_dry_run_says_what_it_would_do_for_this_environment():
     """``--dry-run`` goes through the installer's checks (with ``HOROVOD_REINSTALL=1``, past an
     installed Horovod) and stops before downloading or building anything."""

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.processes  # the demo in a fresh interpreter
+
 
 def run_demo(
     *args: str, timeout: int = 300, log_level: str | None = "2"

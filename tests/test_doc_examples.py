@@ -198,6 +198,7 @@ def horovod_batches(tmp_path_factory) -> HorovodBatches:
     return HorovodBatches(tmp_path_factory.mktemp("horovod_blocks"))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])
 def test_example_runs(example: Example, tmp_path, monkeypatch, request):
     script = tmp_path / "example.py"

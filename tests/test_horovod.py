@@ -29,6 +29,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.processes  # every test runs under horovodrun or needs Horovod built
+
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 WORKERS = os.path.join(ROOT, "tests", "horovod_workers")
 TIMEOUT_S = 240
@@ -72,15 +74,28 @@ def horovodrun(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        launcher = psutil.Process(proc.pid)
-        for child in launcher.children(recursive=True) + [launcher]:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(proc)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(command)} still running after {timeout} s:\n{out[-6000:]}")
+    except BaseException:  # pytest-timeout's failure, ^C: no rank is left running
+        kill_tree(proc)
+        proc.communicate()
+        raise
     return proc.returncode, out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kills ``proc`` and every process it started."""
+    try:
+        launcher = psutil.Process(proc.pid)
+        family = launcher.children(recursive=True) + [launcher]
+    except psutil.NoSuchProcess:
+        return
+    for member in family:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def results(out: str, worker: str | None = None) -> dict[str, dict[int, dict]]:

@@ -17,7 +17,11 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_python
+
+pytestmark = pytest.mark.processes  # venvs, pip installs, sdist and wheel builds
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,8 +19,11 @@ import sys
 import xml.etree.ElementTree as ElementTree
 
 import keras
+import pytest
 
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.processes  # Keras's own tests in a subprocess
 
 SUITE = os.path.join(
     os.path.dirname(keras.__file__), "src", "optimizers", "optimizer_sparse_test.py"

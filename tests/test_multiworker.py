@@ -18,6 +18,8 @@ import tensorflow as tf
 
 from tf_sparsify.distribute import run_local_workers
 
+pytestmark = pytest.mark.processes  # worker processes
+
 WORKERS = 2
 STEPS = 8
 BATCH = 16

@@ -63,6 +63,7 @@ def numpy_runs(tmp_path_factory):
     return mw, mirror
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("config", ["topk", "identity"])
 def test_workers_end_identical_with_global_history(numpy_runs, config):
     mw, _ = numpy_runs
@@ -73,6 +74,7 @@ def test_workers_end_identical_with_global_history(numpy_runs, config):
     assert h0["loss"][1] < h0["loss"][0]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("config", ["topk", "identity"])
 def test_two_workers_equal_mirrored_strategy_on_two_devices(numpy_runs, config):
     mw, mirror = numpy_runs
@@ -85,6 +87,7 @@ def test_two_workers_equal_mirrored_strategy_on_two_devices(numpy_runs, config):
     np.testing.assert_allclose(history["mae"], want_history["mae"], rtol=1e-5)
 
 
+@pytest.mark.processes
 def test_each_worker_keeps_its_own_residual(numpy_runs):
     mw, mirror = numpy_runs
     (a0, _), (a1, _), (m, _) = (
@@ -101,6 +104,7 @@ def test_each_worker_keeps_its_own_residual(numpy_runs):
     np.testing.assert_allclose(np.concatenate([r0, r1]), both, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.processes
 def test_evaluate_and_predict_are_global(numpy_runs):
     mw, _ = numpy_runs
     arrays, _ = result(mw, "topk", 0)
@@ -113,6 +117,7 @@ def test_evaluate_and_predict_are_global(numpy_runs):
     np.testing.assert_allclose(arrays["evaluation"][0], mse, rtol=1e-5)
 
 
+@pytest.mark.processes
 def test_dataset_input_is_sharded_over_workers(tmp_path):
     mw, mirror = tmp_path / "mw", tmp_path / "mirrored"
     mw.mkdir(), mirror.mkdir()
@@ -124,6 +129,7 @@ def test_dataset_input_is_sharded_over_workers(tmp_path):
     assert history == result(mw, "topk", 1)[1]
 
 
+@pytest.mark.processes
 def test_plain_keras_needs_the_opt_in(tmp_path):
     outputs = launch(tmp_path, "--configs=plain", "--epochs=1")
     assert all("FIT FAILED plain" in o for o in outputs), outputs[0][-2000:]
@@ -175,6 +181,7 @@ def _resume_from_copy(source, tmp_path):
     return backup
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "kill, epochs_again",
     [(None, 2), ("--kill-before-backup=1", 3), ("--kill-in-backup=1", 3)],
@@ -230,6 +237,7 @@ def _residual_key(arrays: dict, prefix: str) -> str:
     return f"{prefix}{arrays['residual_indexes'][0]}"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "before, after, strategy",
     [(2, 1, "mwms"), (2, 1, "none"), (1, 2, "mwms"), (2, 3, "mwms")],
@@ -266,6 +274,7 @@ def test_a_relaunch_with_another_worker_count_resumes_and_conserves(
     assert not (backup / "topk").exists()
 
 
+@pytest.mark.processes
 def test_the_chiefs_checkpoint_gives_every_worker_its_own_rows(numpy_runs):
     """The chief writes the tf.train.Checkpoint (the other worker a copy elsewhere): it
     holds both workers' residuals, and each worker restores its own."""
@@ -288,6 +297,7 @@ def test_the_chiefs_checkpoint_gives_every_worker_its_own_rows(numpy_runs):
     assert (manifest["first_row"], manifest["world"]) == (0, 2)
 
 
+@pytest.mark.processes
 def test_chief_alone_saves_and_the_file_loads(tmp_path):
     # Saving reads each worker's residuals locally: the chief alone can save, no collective.
     launch(tmp_path, "--configs=topk", "--epochs=1", "--chief-save")
@@ -307,6 +317,7 @@ def test_chief_alone_saves_and_the_file_loads(tmp_path):
     assert before > 0 and after > 0
 
 
+@pytest.mark.processes
 def test_the_fit_example_runs(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "multiworker_fit.py"), "--epochs=2"],
@@ -320,6 +331,7 @@ def test_the_fit_example_runs(tmp_path):
     assert "2 workers, topk" in proc.stdout and "epoch 2: loss" in proc.stdout
 
 
+@pytest.mark.processes
 def test_unseeded_shuffled_arrays_warn():
     out = run_python(
         """

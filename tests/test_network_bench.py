@@ -76,6 +76,7 @@ def _rows(data: dict) -> dict[tuple[str, str], dict]:
     return {(r["backend"], r["compressor"]): r for r in data["rows"]}
 
 
+@pytest.mark.processes
 def test_a_row_per_backend_and_compressor(quick):
     _, data, _ = quick
     rows = _rows(data)
@@ -101,6 +102,7 @@ def test_a_row_per_backend_and_compressor(quick):
     assert data["complete"] is True
 
 
+@pytest.mark.processes
 def test_compressed_payloads_are_smaller(quick):
     _, data, _ = quick
     rows = _rows(data)
@@ -123,6 +125,7 @@ def test_compressed_payloads_are_smaller(quick):
     )
 
 
+@pytest.mark.processes
 def test_progress_and_tables(quick):
     stdout, data, markdown = quick
     settings = data["settings"]
@@ -163,6 +166,7 @@ def test_floor_table_reads_its_ratios_from_one_job():
     assert report.floor_markdown(no_probes, ["unlimited"]) == ""
 
 
+@pytest.mark.processes
 def test_the_report_says_how_processes_share_the_cores(quick):
     _, data, _ = quick
     cores = len(os.sched_getaffinity(0))
@@ -193,6 +197,7 @@ def test_local_rank_from_either_launcher(monkeypatch):
     assert local_rank() == (1, 2)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("pin", [True, False])
 def test_a_job_process_pins_itself_when_asked(tmp_path, monkeypatch, pin):
     """Through run_job's environment, as the workers do: rank 1 of 2 takes the upper half of
@@ -216,6 +221,7 @@ def test_a_job_process_pins_itself_when_asked(tmp_path, monkeypatch, pin):
         assert record == {"pinned": None, "cores": cores}
 
 
+@pytest.mark.processes
 def test_runs_in_a_namespace_when_it_can(quick):
     _, data, _ = quick
     reason = unavailable_reason()
@@ -258,6 +264,7 @@ def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.processes
 def test_namespace_is_limited_and_always_cleaned_up():
     reason = unavailable_reason()
     if reason is not None:
@@ -278,6 +285,7 @@ def test_namespace_is_limited_and_always_cleaned_up():
     assert name not in _namespaces()
 
 
+@pytest.mark.processes
 def test_run_job_streams_records_and_reports_failures(tmp_path):
     results, log = str(tmp_path / "r.jsonl"), str(tmp_path / "job.log")
     write = f"import json; open({results!r}, 'a').write(json.dumps({{'event': 'x'}}) + '\\n')"
@@ -295,6 +303,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.processes
 def test_run_job_kills_a_stuck_job_with_what_it_started(tmp_path):
     pid_file = tmp_path / "pid"
     stuck = ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; sleep 60"]
@@ -306,6 +315,7 @@ def test_run_job_kills_a_stuck_job_with_what_it_started(tmp_path):
     assert _gone(int(pid_file.read_text()))
 
 
+@pytest.mark.processes
 def test_quick_transformer_throughput(tmp_path):
     """--quick --models transformer trains the tiny transformer (8 sequences per rank) under
     Horovod; TopK sends less than dense."""
@@ -323,6 +333,7 @@ def test_quick_transformer_throughput(tmp_path):
     assert stdout.count("transformer_tiny") >= len(names) * data["settings"]["rounds"]
 
 
+@pytest.mark.processes
 def test_quick_transformer_time_to_target_loss(tmp_path):
     """--mode accuracy --quick --models transformer: the tiny transformer's next-token task for
     two epochs with dense and TopK 1%; the held-out loss of each falls."""

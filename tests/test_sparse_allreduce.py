@@ -18,7 +18,7 @@ from tests import sparse_allreduce_reference as reference
 from tests.conftest import ROOT
 from tests.test_horovod import _launch, _passed
 from tests.test_optimizer import compile_fit
-from tf_sparsify.collectives.base import LocalCollective
+from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.compressors import deserialize, serialize
 from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
@@ -152,6 +152,7 @@ def passed(launch: tuple[dict, int], check: str) -> list[dict]:
     return list(_passed(found, check, ranks).values())
 
 
+@pytest.mark.processes
 def test_updates_residuals_and_bytes_match_the_reference(launch):
     """float32, float16 and bfloat16 tensors in one bucket, slices of unequal length; the
     optimizer in a tf.function and the tape eagerly; bytes to Horovod as the reference's."""
@@ -159,25 +160,30 @@ def test_updates_residuals_and_bytes_match_the_reference(launch):
         assert record["bytes_to_horovod"] > 0
 
 
+@pytest.mark.processes
 def test_dense_fallback_is_decoded_exactly(launch):
     for record in passed(launch, "dense_fallback"):
         assert record["dense_owners"] > 0
 
 
+@pytest.mark.processes
 def test_conservation_in_float64(launch):
     for record in passed(launch, "conservation"):
         assert record["gap"] <= 1e-12
 
 
+@pytest.mark.processes
 def test_a_non_finite_step_is_agreed_and_keeps_the_residuals(launch):
     passed(launch, "non_finite")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("check", ["mismatch_k", "mismatch_compressor"])
 def test_ranks_configured_differently_fail_fast(launch, check):
     for record in passed(launch, check):
         assert record["seconds"] < 30
 
 
+@pytest.mark.processes
 def test_model_fit_trains_and_keeps_the_ranks_equal(launch):
     passed(launch, "fit")

@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import tensorflow as tf
 
 from tests.test_install import ROOT, run_ok
@@ -63,6 +64,7 @@ def _fake_build(directory: Path, info: dict[str, str | None]) -> None:
     (directory / paths.INFO_NAME).write_text(json.dumps(info))
 
 
+@pytest.mark.processes
 def test_wheel_installs_into_a_fresh_venv_and_loads_its_kernels_without_a_compiler(tmp_path):
     dist, venv, work = tmp_path / "dist", tmp_path / "venv", tmp_path / "work"
     work.mkdir()
