@@ -15,6 +15,7 @@ import tf_sparsify as tfs
 from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.core.measurements import gap_bound, summarize, unit_stats
 from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.step import StepFlags, StepMemory
 from tf_sparsify.keras import plot_diagnostics
 
 
@@ -31,8 +32,12 @@ def test_pipeline_measures_error_feedback_steps():
     """TopK(k=1) on [3, 4]: gap 3/5; next step the residual 3 is all that is left, gap 0."""
     pipe = GradientPipeline(tfs.TopK(k=1))
     units = pipe.plan([(2,)], [tf.float32])
-    res = pipe.run_step(
-        units, [tf.constant([3.0, 4.0])], [tf.zeros(2)], 0, LocalCollective(), measure=True
+    res = pipe.run(
+        units,
+        [tf.constant([3.0, 4.0])],
+        StepMemory([tf.zeros(2)], 0),
+        LocalCollective(),
+        StepFlags(measure=True),
     )
     np.testing.assert_array_equal(res.stats.numpy(), [[25.0, 25.0, 9.0, 1.0, 9.0]])
     s = summarize(res.stats.numpy(), units, ["w"])
@@ -43,25 +48,39 @@ def test_pipeline_measures_error_feedback_steps():
     assert s["grad_norm"] == pytest.approx(5.0)
     assert s["density"] == pytest.approx(0.5)
     assert "beta" not in s  # TopK is not an unbiased quantizer
-    res2 = pipe.run_step(
-        units, [tf.zeros(2)], res.residuals, 1, LocalCollective(), measure=tf.constant(True)
+    res2 = pipe.run(
+        units,
+        [tf.zeros(2)],
+        StepMemory(res.residuals, 1),
+        LocalCollective(),
+        StepFlags(measure=tf.constant(True)),
     )
     np.testing.assert_array_equal(res2.stats.numpy(), [[0.0, 9.0, 0.0, 1.0, 0.0]])
     s2 = summarize(res2.stats.numpy(), units, ["w"])
     assert s2["norm_gap"] == 0.0 and s2["grad_norm_gap"] == 0.0 and s2["grad_norm"] == 0.0
     # a fresh [1, 0.5] on top of the residual [3, 0]: TopK sends 4; alone it would send 1
-    res3 = pipe.run_step(
-        units, [tf.constant([1.0, 0.5])], res.residuals, 2, LocalCollective(), measure=True
+    res3 = pipe.run(
+        units,
+        [tf.constant([1.0, 0.5])],
+        StepMemory(res.residuals, 2),
+        LocalCollective(),
+        StepFlags(measure=True),
     )
     np.testing.assert_allclose(res3.stats.numpy(), [[1.25, 16.25, 0.25, 1.0, 0.25]])
     s3 = summarize(res3.stats.numpy(), units, ["w"])
     assert s3["norm_gap"] == pytest.approx(math.sqrt(0.25 / 16.25))
     assert s3["grad_norm_gap"] == pytest.approx(math.sqrt(0.25 / 1.25))
-    off = pipe.run_step(
-        units, [tf.constant([1.0, 2.0])], [tf.zeros(2)], 2, LocalCollective(), measure=False
+    off = pipe.run(
+        units,
+        [tf.constant([1.0, 2.0])],
+        StepMemory([tf.zeros(2)], 2),
+        LocalCollective(),
+        StepFlags(measure=False),
     )
     np.testing.assert_array_equal(off.stats.numpy(), np.zeros((1, 5)))
-    assert pipe.run_step(units, [tf.ones(2)], [tf.zeros(2)], 3, LocalCollective()).stats is None
+    assert (
+        pipe.run(units, [tf.ones(2)], StepMemory([tf.zeros(2)], 3), LocalCollective()).stats is None
+    )
 
 
 def test_summary_whole_model_and_dense_units():
@@ -74,7 +93,9 @@ def test_summary_whole_model_and_dense_units():
         tf.constant([0.0, 0.0, 0.0], tf.float64),  # all zero
     ]
     residuals = [tf.zeros(4, tf.float64), None, tf.zeros(3, tf.float64)]
-    res = pipe.run_step(units, grads, residuals, 0, LocalCollective(), measure=True)
+    res = pipe.run(
+        units, grads, StepMemory(residuals, 0), LocalCollective(), StepFlags(measure=True)
+    )
     np.testing.assert_array_equal(
         res.stats.numpy(),
         [[9.0, 9.0, 5.0, 1.0, 5.0], [26.0, 26.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]],
@@ -99,7 +120,13 @@ def test_empirical_beta_randomk_known_answer():
     pipe = GradientPipeline(tfs.RandomK(0.5, seed=1))
     units = pipe.plan([(4,)], [tf.float32])
     for step in range(3):
-        res = pipe.run_step(units, [tf.ones(4)], [None], step, LocalCollective(), measure=True)
+        res = pipe.run(
+            units,
+            [tf.ones(4)],
+            StepMemory([None], step),
+            LocalCollective(),
+            StepFlags(measure=True),
+        )
         s = summarize(res.stats.numpy(), units, ["v"])
         assert s["beta/v"] == pytest.approx(1.0) and s["beta_bound/v"] == 1.0
         assert s["beta"] == pytest.approx(1.0) and s["density"] == 0.5
@@ -116,7 +143,9 @@ def test_empirical_beta_exact_quantizers_and_mean_below_bound():
     for comp, v in cases:
         pipe = GradientPipeline(comp)
         units = pipe.plan([(4,)], [tf.float32])
-        res = pipe.run_step(units, [v], [None], 5, LocalCollective(), measure=True)
+        res = pipe.run(
+            units, [v], StepMemory([None], 5), LocalCollective(), StepFlags(measure=True)
+        )
         s = summarize(res.stats.numpy(), units)
         assert s["beta"] == pytest.approx(0.0, abs=1e-12)
         assert s["beta_bound"] == comp.variance_bound(4)
@@ -125,7 +154,11 @@ def test_empirical_beta_exact_quantizers_and_mean_below_bound():
     pipe = GradientPipeline(tfs.RandomK(0.2, seed=3))
     units = pipe.plan([(50,)], [tf.float32])
     stats = tf.function(
-        lambda t: pipe.run_step(units, [x], [None], t, LocalCollective(), measure=True).stats
+        lambda t: (
+            pipe.run(
+                units, [x], StepMemory([None], t), LocalCollective(), StepFlags(measure=True)
+            ).stats
+        )
     )
     betas = [summarize(stats(tf.constant(t)).numpy(), units)["beta"] for t in range(100)]
     assert np.mean(betas) == pytest.approx(4.0, rel=0.1)  # d/k - 1 = 50/10 - 1

@@ -81,7 +81,7 @@ class SparseUpdate:
     """An update that is zero except at some entries: ``scale`` times the sum over rows of
     ``values`` at the flat ``indices`` (both ``[replicas, k]``, each row strictly ascending).
 
-    ``run_step(..., sparse_updates=True)`` gives these for units of one variable whose codec
+    ``StepFlags(sparse_updates=True)`` gives these for units of one variable whose codec
     :attr:`~tf_sparsify.compressors.base.Compressor.sends_entries`, so that a plain SGD step
     applies them in place (:func:`tf_sparsify.ops.sparse_sgd_apply`) without building the
     dense update.
