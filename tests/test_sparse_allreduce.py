@@ -21,6 +21,7 @@ from tests.test_optimizer import compile_fit
 from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.compressors import deserialize, serialize
 from tf_sparsify.core.pipeline import GradientPipeline
+from tf_sparsify.core.step import StepFlags, StepMemory
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
 
 SHAPES = [(6, 5), (7,)]
@@ -33,11 +34,10 @@ def local_run(compressor, grads: list[np.ndarray], dtype=tf.float32):
     residuals = [tf.zeros(s, dtype) for s in SHAPES]
     steps = []
     for t in range(grads[0].shape[0]):
-        out = pipeline.run_step(
+        out = pipeline.run(
             units,
             [tf.constant(g[t], dtype) for g in grads],
-            residuals,
-            tf.constant(t, tf.int64),
+            StepMemory(residuals, tf.constant(t, tf.int64)),
             LocalCollective(),
         )
         residuals = out.residuals
@@ -109,8 +109,12 @@ def test_per_replica_updates_and_compress_are_refused():
     pipeline = GradientPipeline(tfs.SparseAllReduce(k=2))
     units = pipeline.plan([(6, 5)], [tf.float32])
     with pytest.raises(ValueError, match="per_replica"):
-        pipeline.run_step(
-            units, [tf.ones((6, 5))], [tf.zeros((6, 5))], 0, LocalCollective(), per_replica=True
+        pipeline.run(
+            units,
+            [tf.ones((6, 5))],
+            StepMemory([tf.zeros((6, 5))], 0),
+            LocalCollective(),
+            StepFlags(per_replica=True),
         )
     opt = ServerOptimizer(
         keras.optimizers.SGD(0.1), tfs.SparseAllReduce(k=2), server=DelayedGradients(1)
