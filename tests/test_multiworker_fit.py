@@ -53,13 +53,18 @@ def forward(ws: list[np.ndarray], x: np.ndarray) -> np.ndarray:
     return np.maximum(x @ ws[0] + ws[1], 0.0) @ ws[2] + ws[3]
 
 
+#: what the shared launches train, one after another: TopK and Identity on NumPy arrays, and
+#: TopK on a tf.data.Dataset
+CONFIGS = "--configs=topk,identity,topk_dataset"
+
+
 @pytest.fixture(scope="module")
 def numpy_runs(tmp_path_factory):
-    """TopK and Identity, NumPy inputs: two workers (each writing the chief's checkpoint and
-    restoring it), and MirroredStrategy on two devices."""
+    """``CONFIGS`` on two workers (each writing the chief's checkpoint and restoring it, the
+    chief alone saving a ``.keras`` file), and on MirroredStrategy on two devices."""
     mw, mirror = tmp_path_factory.mktemp("mw"), tmp_path_factory.mktemp("mirrored")
-    launch(mw, "--configs=topk,identity", "--chief-checkpoint")
-    mirrored(mirror, "--configs=topk,identity")
+    launch(mw, CONFIGS, "--chief-checkpoint", "--chief-save")
+    mirrored(mirror, CONFIGS)
     return mw, mirror
 
 
@@ -118,22 +123,21 @@ def test_evaluate_and_predict_are_global(numpy_runs):
 
 
 @pytest.mark.processes
-def test_dataset_input_is_sharded_over_workers(tmp_path):
-    mw, mirror = tmp_path / "mw", tmp_path / "mirrored"
-    mw.mkdir(), mirror.mkdir()
-    launch(mw, "--configs=topk", "--data=dataset")
-    mirrored(mirror, "--configs=topk", "--data=dataset")
-    (got, history), (want, _) = result(mw, "topk", 0), result(mirror, "topk", 0)
+def test_dataset_input_is_sharded_over_workers(numpy_runs):
+    mw, mirror = numpy_runs
+    (got, history), (want, _) = result(mw, "topk_dataset", 0), result(mirror, "topk_dataset", 0)
     for g, w in zip(weights(got), weights(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-    assert history == result(mw, "topk", 1)[1]
+    assert history == result(mw, "topk_dataset", 1)[1]
 
 
 @pytest.mark.processes
 def test_plain_keras_needs_the_opt_in(tmp_path):
-    outputs = launch(tmp_path, "--configs=plain", "--epochs=1")
-    assert all("FIT FAILED plain" in o for o in outputs), outputs[0][-2000:]
-    launch(tmp_path, "--configs=plain", "--epochs=1", "--enable")
+    """One job: plain Keras fails, then after enable_multi_worker_fit() it trains."""
+    outputs = launch(tmp_path, "--configs=plain,enable,plain", "--epochs=1")
+    for output in outputs:
+        assert "FIT FAILED plain" in output, output[-2000:]
+        assert output.index("FIT FAILED plain") < output.index("plain done"), output[-2000:]
     (a0, h0), (a1, h1) = result(tmp_path, "plain", 0), result(tmp_path, "plain", 1)
     assert h0 == h1
     for w0, w1 in zip(weights(a0), weights(a1), strict=True):
@@ -298,14 +302,14 @@ def test_the_chiefs_checkpoint_gives_every_worker_its_own_rows(numpy_runs):
 
 
 @pytest.mark.processes
-def test_chief_alone_saves_and_the_file_loads(tmp_path):
+def test_chief_alone_saves_and_the_file_loads(numpy_runs):
     # Saving reads each worker's residuals locally: the chief alone can save, no collective.
-    launch(tmp_path, "--configs=topk", "--epochs=1", "--chief-save")
+    mw, _ = numpy_runs
     out = run_python(
         f"""
         import keras, numpy as np, tf_sparsify
         from tests.multiworker_workers.fit import make_data
-        model = keras.models.load_model({str(tmp_path / "topk_chief.keras")!r})
+        model = keras.models.load_model({str(mw / "topk_chief.keras")!r})
         residual = next(v for v in model.optimizer.variables if tuple(v.shape) == (20, 16))
         before = float(np.abs(residual.numpy()).sum())
         x, y = make_data()

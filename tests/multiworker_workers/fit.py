@@ -1,13 +1,17 @@
 """One worker of a ``MultiWorkerMirroredStrategy`` job that trains with ``model.fit``.
 
-    python tests/multiworker_workers/fit.py --out DIR [--configs topk,identity] [--data numpy]
+    python tests/multiworker_workers/fit.py --out DIR [--configs topk,identity,...] [--data numpy]
         [--strategy mwms|mirrored|none] [--backup DIR] [--kill-at EPOCH:BATCH]
         [--kill-before-backup EPOCH] [--kill-in-backup EPOCH] [--kill-worker W]
         [--chief-save] [--chief-checkpoint]
 
 Under ``mwms`` the worker index comes from ``TF_CONFIG`` (``run_local_workers``); ``mirrored``
 runs one process with a 2-replica ``MirroredStrategy`` over logical CPU devices, for
-comparison, ``none`` one process without a strategy. Per configuration it writes
+comparison, ``none`` one process without a strategy. Configurations run one after another:
+``topk``, ``identity`` (a SparsifiedOptimizer), ``plain`` (Keras' SGD), any of them with
+``_dataset`` (its input a ``tf.data.Dataset`` whatever ``--data`` says), and ``enable``, which
+trains nothing and calls ``enable_multi_worker_fit()`` for those after it. Per configuration it
+writes
 ``<config>_<worker>.npz`` (weights, the optimizer's saved values and which are residuals,
 evaluation, predictions, with ``--backup`` the optimizer's values right after the backup was
 restored) and ``<config>_<worker>.json`` (history). ``--kill-before-backup E``
@@ -47,6 +51,7 @@ def make_data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def make_optimizer(config: str):
+    config = config.removesuffix("_dataset")
     if config == "plain":
         return keras.optimizers.SGD(0.05, momentum=0.9)
     compressor = {"topk": tfs.TopK(ratio=0.1), "identity": tfs.Identity()}[config]
@@ -67,8 +72,8 @@ def make_model(strategy, config: str) -> keras.Model:
     return model
 
 
-def inputs(args, x, y) -> dict:
-    if args.data == "dataset":
+def inputs(args, x, y, config: str) -> dict:
+    if args.data == "dataset" or config.endswith("_dataset"):
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
         return {"x": dataset}
     return {"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": False}
@@ -157,6 +162,9 @@ def run(args) -> None:
         tfs.distribute.enable_multi_worker_fit()
     x, y = make_data()
     for config in args.configs.split(","):
+        if config == "enable":
+            tfs.distribute.enable_multi_worker_fit()
+            continue
         model = make_model(strategy, config)
         callbacks, record = [], RecordRestored()
         killed = worker == args.kill_worker
@@ -171,7 +179,7 @@ def run(args) -> None:
             callbacks.append(KillAt(*map(int, args.kill_at.split(":"))))
         try:
             history = model.fit(
-                **inputs(args, x, y), epochs=args.epochs, verbose=0, callbacks=callbacks
+                **inputs(args, x, y, config), epochs=args.epochs, verbose=0, callbacks=callbacks
             )
         except Exception as error:  # reported for the test to match
             print(f"FIT FAILED {config}: {type(error).__name__}: {str(error)[:300]}", flush=True)
