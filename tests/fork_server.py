@@ -3,10 +3,16 @@ TensorFlow, Keras, tf_sparsify and scikit-learn, so a script skips the ~5 s of i
 
 Only imports happen before the fork: TensorFlow's runtime is not started (a script may still
 configure its devices), and no thread but the main one holds Python state. The server reads one
-JSON request a line on stdin, ``{"script": PATH, "output": FILE, "timeout": S}``, runs the
-script as ``__main__`` in a child (in its folder, stdout and stderr into ``output``, stdin
-empty) and answers one JSON line on stdout, ``{"returncode": N}``: the exit status,
-``-signal`` when killed, ``null`` when it ran past ``timeout`` and was killed.
+JSON request a line on stdin, ``{"script": PATH, "output": FILE, "timeout": S}`` (optionally
+``"argv": [...]``), runs the script as ``__main__`` in a child (in its folder, stdout and
+stderr into ``output``, stdin empty) and answers one JSON line on stdout, ``{"returncode": N}``:
+the exit status, ``-signal`` when killed, ``null`` when it ran past ``timeout`` and was killed.
+
+A request with ``"workers": [{"output": FILE, "env": {...}}, ...]`` instead of ``"output"``
+runs one child per worker at once, each with its environment variables added (e.g. a
+``MultiWorkerMirroredStrategy`` worker's ``TF_CONFIG``), as
+:func:`tf_sparsify.distribute.run_local_workers` runs processes: when one exits non-zero or the
+time runs out, the others are killed. It answers ``{"returncodes": [N, ...], "timed_out": B}``.
 """
 
 from __future__ import annotations
@@ -27,17 +33,54 @@ import tf_sparsify  # noqa: F401
 POLL_S = 0.02
 
 
-def _run_child(script: str, output: str) -> None:
+def _run_child(script: str, output: str, argv: list[str]) -> None:
     """In the fork: run ``script`` with stdout and stderr into ``output``, then exit."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    code = run_script(script)
+    code = run_script(script, argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _fork(script: str, output: str, argv: list[str], env: dict[str, str]) -> int:
+    """The pid of a child running ``script`` with ``env`` added to its environment."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.environ.update(env)
+            _run_child(script, output, argv)
+        finally:
+            os._exit(1)
+    return pid
+
+
+def _wait_all(pids: list[int], timeout: float) -> tuple[list[int], bool]:
+    """Every child's exit status and whether the time ran out; once one has failed or the
+    time is up, the others are killed."""
+    codes: list[int | None] = [None] * len(pids)
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    while any(code is None for code in codes):
+        for i, pid in enumerate(pids):
+            if codes[i] is None:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[i] = os.waitstatus_to_exitcode(status)
+        timed_out = time.monotonic() > deadline
+        if timed_out or any(code not in (None, 0) for code in codes):
+            for i, pid in enumerate(pids):
+                if codes[i] is None:
+                    os.kill(pid, signal.SIGKILL)
+                    codes[i] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            break
+        time.sleep(POLL_S)
+    return codes, timed_out
 
 
 def _wait(pid: int, timeout: float) -> int | None:
@@ -58,16 +101,18 @@ def _wait(pid: int, timeout: float) -> int | None:
 def serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                _run_child(request["script"], request["output"])
-            finally:
-                os._exit(1)
-        returncode = _wait(pid, float(request["timeout"]))
-        print(json.dumps({"returncode": returncode}), flush=True)
+        script, argv = request["script"], request.get("argv", [])
+        if "workers" in request:
+            pids = [
+                _fork(script, worker["output"], argv, worker.get("env", {}))
+                for worker in request["workers"]
+            ]
+            codes, timed_out = _wait_all(pids, float(request["timeout"]))
+            answer = {"returncodes": codes, "timed_out": timed_out}
+        else:
+            pid = _fork(script, request["output"], argv, {})
+            answer = {"returncode": _wait(pid, float(request["timeout"]))}
+        print(json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":

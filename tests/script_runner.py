@@ -1,19 +1,24 @@
-"""Runs a Python script as ``python script`` would, inside an interpreter already running."""
+"""Runs a Python script as ``python script`` would, inside an interpreter already running; and
+the client of ``tests/fork_server.py``, which runs scripts so in forks of a warm interpreter."""
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
+import subprocess
 import sys
 import traceback
+from collections.abc import Sequence
 
 
-def run_script(script: str) -> int:
-    """Run ``script`` as ``__main__`` in its folder (argv and ``sys.path[0]`` as ``python
-    script`` sets them); its exit status, 1 after an uncaught exception (traceback on stderr)."""
+def run_script(script: str, argv: Sequence[str] = ()) -> int:
+    """Run ``script`` as ``__main__`` in its folder (``sys.argv`` and ``sys.path[0]`` as
+    ``python script *argv`` sets them); its exit status, 1 after an uncaught exception
+    (traceback on stderr)."""
     folder = os.path.dirname(os.path.abspath(script))
     os.chdir(folder)
-    sys.argv = [script]
+    sys.argv = [script, *argv]
     sys.path[0] = folder
     try:
         runpy.run_path(script, run_name="__main__")
@@ -26,3 +31,29 @@ def run_script(script: str) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+class ForkServer:
+    """Client of ``tests/fork_server.py`` (started with ``env`` added to this environment)."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fork_server.py")
+        self.process = subprocess.Popen(
+            [sys.executable, server],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def ask(self, request: dict) -> dict:
+        """The server's answer to ``request`` (see ``tests/fork_server.py``)."""
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        assert answer, f"the fork server exited with {self.process.wait()}"
+        return json.loads(answer)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()

@@ -1,6 +1,7 @@
 """Keras 3 ``model.fit``/``evaluate``/``predict`` under MultiWorkerMirroredStrategy: two real
-worker processes (``run_local_workers``), against MirroredStrategy on two devices of one process
-with the same global batches, and through a worker killed mid-epoch and relaunched."""
+worker processes (forks of a warm interpreter, each with its ``TF_CONFIG``), against
+MirroredStrategy on two devices of one process with the same global batches, and through a
+worker killed mid-epoch and relaunched."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import h5py
 import numpy as np
@@ -16,26 +18,65 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import ROOT, run_python
-from tf_sparsify.distribute import run_local_workers
+from tests.script_runner import ForkServer
+from tf_sparsify.distribute.multiworker import free_ports, tf_config
 
 WORKER = os.path.join(ROOT, "tests", "multiworker_workers", "fit.py")
 ENV = {"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def launch(out, *args: str, workers: int = 2) -> list[str]:
-    return run_local_workers([WORKER, f"--out={out}", *args], workers, timeout=240, env=ENV)
+TIMEOUT_S = 240
 
 
-def mirrored(out, *args: str) -> None:
-    """The same job in one process on a 2-replica MirroredStrategy."""
-    proc = subprocess.run(
-        [sys.executable, WORKER, f"--out={out}", "--strategy=mirrored", *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, **ENV},
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def forks():
+    """A warm interpreter whose forks run the worker (``tests/fork_server.py``): each worker
+    process skips the ~4 s of importing TensorFlow, Keras and tf_sparsify."""
+    server = ForkServer(ENV)
+    yield server
+    server.close()
+
+
+def launch(forks: ForkServer, out, *args: str, workers: int = 2) -> list[str]:
+    """The outputs of ``workers`` MultiWorkerMirroredStrategy workers running the worker script
+    (forks, each with its ``TF_CONFIG``), as ``run_local_workers`` runs them: when one fails or
+    the time runs out the others are killed, and a RuntimeError (TimeoutError) shows them."""
+    ports = free_ports(workers)
+    with tempfile.TemporaryDirectory() as logs:
+        files = [os.path.join(logs, f"worker{i}.log") for i in range(workers)]
+        cpu_only = {"CUDA_VISIBLE_DEVICES": ""}
+        env = [{"TF_CONFIG": tf_config(ports, i), **cpu_only} for i in range(workers)]
+        answer = forks.ask(
+            {
+                "script": WORKER,
+                "argv": [f"--out={out}", *map(str, args)],
+                "timeout": TIMEOUT_S,
+                "workers": [{"output": f, "env": e} for f, e in zip(files, env, strict=True)],
+            }
+        )
+        outputs = []
+        for name in files:
+            with open(name, encoding="utf-8", errors="replace") as f:
+                outputs.append(f.read())
+    codes = answer["returncodes"]
+    if any(code != 0 for code in codes):
+        report = "\n".join(
+            f"--- worker {i} (exit {c}):\n{o[-3000:]}"
+            for i, (c, o) in enumerate(zip(codes, outputs, strict=True))
+        )
+        if answer["timed_out"]:
+            raise TimeoutError(f"workers did not finish within {TIMEOUT_S} s\n{report}")
+        raise RuntimeError(f"a worker failed\n{report}")
+    return outputs
+
+
+def mirrored(forks: ForkServer, out, *args: str) -> None:
+    """The same job in one process (a fork) on a 2-replica MirroredStrategy."""
+    log = os.path.join(out, "mirrored.log")
+    argv = [f"--out={out}", "--strategy=mirrored", *args]
+    answer = forks.ask({"script": WORKER, "argv": argv, "output": log, "timeout": TIMEOUT_S})
+    with open(log, encoding="utf-8", errors="replace") as f:
+        assert answer["returncode"] == 0, f.read()[-5000:]
 
 
 def result(out, config: str, worker: int) -> tuple[dict, dict]:
@@ -59,12 +100,12 @@ CONFIGS = "--configs=topk,identity,topk_dataset"
 
 
 @pytest.fixture(scope="module")
-def numpy_runs(tmp_path_factory):
+def numpy_runs(tmp_path_factory, forks):
     """``CONFIGS`` on two workers (each writing the chief's checkpoint and restoring it, the
     chief alone saving a ``.keras`` file), and on MirroredStrategy on two devices."""
     mw, mirror = tmp_path_factory.mktemp("mw"), tmp_path_factory.mktemp("mirrored")
-    launch(mw, CONFIGS, "--chief-checkpoint", "--chief-save")
-    mirrored(mirror, CONFIGS)
+    launch(forks, mw, CONFIGS, "--chief-checkpoint", "--chief-save")
+    mirrored(forks, mirror, CONFIGS)
     return mw, mirror
 
 
@@ -132,9 +173,9 @@ def test_dataset_input_is_sharded_over_workers(numpy_runs):
 
 
 @pytest.mark.processes
-def test_plain_keras_needs_the_opt_in(tmp_path):
+def test_plain_keras_needs_the_opt_in(tmp_path, forks):
     """One job: plain Keras fails, then after enable_multi_worker_fit() it trains."""
-    outputs = launch(tmp_path, "--configs=plain,enable,plain", "--epochs=1")
+    outputs = launch(forks, tmp_path, "--configs=plain,enable,plain", "--epochs=1")
     for output in outputs:
         assert "FIT FAILED plain" in output, output[-2000:]
         assert output.index("FIT FAILED plain") < output.index("plain done"), output[-2000:]
@@ -145,10 +186,10 @@ def test_plain_keras_needs_the_opt_in(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
+def straight_run(tmp_path_factory, forks):
     """Four epochs of TopK on two workers, never stopped."""
     out = tmp_path_factory.mktemp("straight")
-    launch(out, "--configs=topk", "--epochs=4")
+    launch(forks, out, "--configs=topk", "--epochs=4")
     return out
 
 
@@ -156,7 +197,7 @@ BACKED_UP = ("--configs=topk", "--epochs=4")
 
 
 @pytest.fixture(scope="module")
-def killed_backups(tmp_path_factory):
+def killed_backups(tmp_path_factory, forks):
     """``workers -> backup folder`` of a TopK job of that many workers whose last worker was
     killed in the middle of epoch 2 (each test resumes from a copy)."""
     made = {}
@@ -166,6 +207,7 @@ def killed_backups(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"killed{workers}")
             with pytest.raises(RuntimeError, match=r"exit -9"):
                 launch(
+                    forks,
                     root,
                     *BACKED_UP,
                     f"--backup={root / 'bk'}",
@@ -192,7 +234,7 @@ def _resume_from_copy(source, tmp_path):
     ids=["mid_epoch", "before_its_backup", "inside_its_backup"],
 )
 def test_backup_and_restore_after_a_worker_is_killed(
-    tmp_path, straight_run, killed_backups, kill, epochs_again
+    tmp_path, forks, straight_run, killed_backups, kill, epochs_again
 ):
     """Worker 1 dies mid-epoch, or at an epoch's end after worker 0 wrote its backup (before
     its own, or with its weights file written and no metadata): both resume from the newest
@@ -204,10 +246,10 @@ def test_backup_and_restore_after_a_worker_is_killed(
     else:
         backup = tmp_path / "bk"
         with pytest.raises(RuntimeError, match=r"exit -9"):
-            launch(resumed, *BACKED_UP, f"--backup={backup}", kill)
+            launch(forks, resumed, *BACKED_UP, f"--backup={backup}", kill)
     saved = sorted(p.name for p in (backup / "topk").iterdir())
     assert saved == ["worker_0", "worker_1"]
-    outputs = launch(resumed, *BACKED_UP, f"--backup={backup}")
+    outputs = launch(forks, resumed, *BACKED_UP, f"--backup={backup}")
     assert all("topk done" in o for o in outputs)
     for worker in (0, 1):
         (got, history), (want, _) = (
@@ -248,7 +290,7 @@ def _residual_key(arrays: dict, prefix: str) -> str:
     ids=["2_to_1", "2_to_no_strategy", "1_to_2", "2_to_3"],
 )
 def test_a_relaunch_with_another_worker_count_resumes_and_conserves(
-    tmp_path, killed_backups, before, after, strategy
+    tmp_path, forks, killed_backups, before, after, strategy
 ):
     """The job resumes at the saved epoch (not from epoch 0), each worker with an even share
     of every residual total of the saved job, and each says so once."""
@@ -256,7 +298,7 @@ def test_a_relaunch_with_another_worker_count_resumes_and_conserves(
     backup, resumed = _resume_from_copy(kept, tmp_path), tmp_path / "resumed"
     resumed.mkdir()
     outputs = launch(
-        resumed, *BACKED_UP, f"--backup={backup}", f"--strategy={strategy}", workers=after
+        forks, resumed, *BACKED_UP, f"--backup={backup}", f"--strategy={strategy}", workers=after
     )
     for output in outputs:
         assert output.count("each error-memory total is conserved") == 1, output[-3000:]
