@@ -10,7 +10,8 @@ the opening fence selects a launcher:
   after another (``tests/horovod_scripts.py``), each in its own folder and with its own exit
   status per rank;
 - ``<!-- example: multiworker workers=2 -->``: as 2 local ``MultiWorkerMirroredStrategy``
-  workers with their ``TF_CONFIG`` (:func:`tf_sparsify.distribute.run_local_workers`).
+  workers with their ``TF_CONFIG``, forks of the warm interpreter below, killed together when
+  one fails as :func:`tf_sparsify.distribute.run_local_workers` kills its processes.
 
 Without a comment a block runs in one process: a fork of an interpreter that has imported
 TensorFlow already (``tests/fork_server.py``; a fresh process for each block would spend ~5 s
@@ -33,7 +34,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_horovod import horovodrun
-from tf_sparsify.distribute import run_local_workers
+from tf_sparsify.distribute.multiworker import free_ports, tf_config
 
 TIMEOUT_S = 240
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
@@ -146,6 +147,30 @@ class ForkServer:
         with open(output, encoding="utf-8", errors="replace") as f:
             return json.loads(answer)["returncode"], f.read()
 
+    def run_workers(self, script: str, workers: int, timeout: float) -> tuple[list[int], str]:
+        """``(exit statuses, outputs)`` of ``workers`` forks running ``script`` at once, each
+        with its ``TF_CONFIG``; once one fails or the time is up, the others are killed."""
+        ports = free_ports(workers)
+        folder = os.path.dirname(script)
+        outputs = [os.path.join(folder, f"worker{i}.txt") for i in range(workers)]
+        request = {
+            "script": script,
+            "timeout": timeout,
+            "workers": [
+                {"output": output, "env": {"TF_CONFIG": tf_config(ports, i)}}
+                for i, output in enumerate(outputs)
+            ],
+        }
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        assert answer, f"the fork server exited with {self.process.wait()}"
+        report = []
+        for i, output in enumerate(outputs):
+            with open(output, encoding="utf-8", errors="replace") as f:
+                report.append(f"--- worker {i}:\n{f.read()[-3000:]}")
+        return json.loads(answer)["returncodes"], "\n".join(report)
+
     def close(self) -> None:
         self.process.kill()
         self.process.wait()
@@ -211,8 +236,11 @@ def test_example_runs(example: Example, tmp_path, monkeypatch, request):
             f"{example.id} failed under horovodrun (exit status by rank {statuses}):\n{out[-6000:]}"
         )
     elif example.launcher == "multiworker":
-        monkeypatch.chdir(tmp_path)
-        run_local_workers([str(script)], example.processes, timeout=TIMEOUT_S)
+        server = request.getfixturevalue("fork_server")
+        codes, out = server.run_workers(str(script), example.processes, TIMEOUT_S)
+        assert codes == [0] * example.processes, (
+            f"{example.id} failed as {example.processes} workers (exit statuses {codes}):\n{out}"
+        )
     else:
         server = request.getfixturevalue("fork_server")
         code, out = server.run(str(script), TIMEOUT_S)
