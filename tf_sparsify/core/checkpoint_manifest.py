@@ -115,7 +115,7 @@ def rows_of_process(
             "error memory starts from zero (under Horovod, call "
             "tf_sparsify.horovod.gather_error_memory on every rank before rank 0 saves)"
         )
-    return StateKind(kind).resized(value, local), (
+    return StateKind(kind).resized(value, world)[:local], (
         f"the checkpoint was written by a job of {saved_world} rows and this one has "
         f"{world}: each variable's total is conserved (summed, then split evenly), not each "
         "row's value"
