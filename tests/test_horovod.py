@@ -18,11 +18,14 @@ to build it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import time
 
 import psutil
 import pytest
@@ -33,7 +36,31 @@ pytestmark = pytest.mark.processes  # every test runs under horovodrun or needs 
 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 WORKERS = os.path.join(ROOT, "tests", "horovod_workers")
+#: what horovodrun starts per rank: a fork of one warm interpreter (see that file)
+FORKED_RANKS = os.path.join(WORKERS, "forked_ranks.py")
+SOCKET_ENV = "TF_SPARSIFY_TEST_RANK_SERVER"
 TIMEOUT_S = 240
+_rank_server: dict[str, str] = {}
+
+
+def rank_server() -> dict[str, str]:
+    """The environment that points ``forked_ranks.py run`` at this test process's server of
+    forked ranks, started on first use (it stops when this process exits)."""
+    if _rank_server:
+        return _rank_server
+    path = os.path.join(tempfile.mkdtemp(prefix="ranks"), "socket")
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    server = subprocess.Popen(
+        [sys.executable, FORKED_RANKS, "serve", path], stdin=subprocess.PIPE, env=env
+    )
+    atexit.register(server.stdin.close)  # the server kills its ranks and exits
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        assert server.poll() is None, f"the rank server exited with {server.returncode}"
+        assert time.monotonic() < deadline, "the rank server did not listen within 60 s"
+        time.sleep(0.05)
+    _rank_server[SOCKET_ENV] = path
+    return _rank_server
 
 
 def _require_horovod() -> None:
@@ -57,11 +84,13 @@ def horovodrun(
     cwd: str = ROOT,
 ) -> tuple[int, str]:
     """Run ``script`` on ``ranks`` ranks in ``cwd`` (``options``: more of horovodrun's);
-    ``(exit code, output)``. A run past ``timeout`` (a hang) is killed with everything it
-    started, and the test fails."""
+    ``(exit code, output)``. Each rank is a fork of a warm interpreter
+    (``horovod_workers/forked_ranks.py``), as ``python script`` would run it. A run past
+    ``timeout`` (a hang) is killed with everything it started, and the test fails."""
     _require_horovod()
-    command = [HOROVODRUN, "-np", str(ranks), *options, "--gloo", sys.executable, script, *args]
-    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    ranks_run = [sys.executable, FORKED_RANKS, "run"]
+    command = [HOROVODRUN, "-np", str(ranks), *options, "--gloo", *ranks_run, script, *args]
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2", **rank_server()}
     proc = subprocess.Popen(
         command,
         cwd=cwd,
