@@ -22,6 +22,7 @@ import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,12 +49,22 @@ def rank_server() -> dict[str, str]:
     forked ranks, started on first use (it stops when this process exits)."""
     if _rank_server:
         return _rank_server
-    path = os.path.join(tempfile.mkdtemp(prefix="ranks"), "socket")
+    folder = tempfile.mkdtemp(prefix="ranks")
+    path = os.path.join(folder, "socket")
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
     server = subprocess.Popen(
         [sys.executable, FORKED_RANKS, "serve", path], stdin=subprocess.PIPE, env=env
     )
-    atexit.register(server.stdin.close)  # the server kills its ranks and exits
+
+    def stop() -> None:
+        server.stdin.close()  # the server kills its ranks and exits
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
         assert server.poll() is None, f"the rank server exited with {server.returncode}"
