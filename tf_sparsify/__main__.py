@@ -16,7 +16,7 @@ COMMANDS = {
     "whatif": "predicted step time of each exchange method on a network "
     "(python -m tf_sparsify whatif --help)",
     "install-horovod": "build Horovod 0.28.1 (TensorFlow + Gloo) into this Python's environment "
-    "(needs cmake and a C++ compiler; about 2.5 minutes on 2 cores)",
+    "(needs cmake and a C++ compiler; about 1.5 minutes on 2 cores)",
 }
 #: the Horovod installer the package ships (a checkout's scripts/install_horovod.sh links to it)
 HOROVOD_INSTALLER = Path(tf_sparsify.__file__).resolve().parent / "install_horovod.sh"
