@@ -50,8 +50,9 @@ def client(script: str, argv: list[str]) -> None:
             sys.exit("forked_ranks: the server closed the connection without an exit status")
         answer += chunk
     code = int(answer.split()[1])
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+    if code < 0:  # the child died of a signal: so does this client
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # these two take no handler
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 
