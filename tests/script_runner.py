@@ -12,12 +12,14 @@ import traceback
 from collections.abc import Sequence
 
 
-def run_script(script: str, argv: Sequence[str] = ()) -> int:
-    """Run ``script`` as ``__main__`` in its folder (``sys.argv`` and ``sys.path[0]`` as
+def run_script(script: str, argv: Sequence[str] = (), in_its_folder: bool = True) -> int:
+    """Run ``script`` as ``__main__``, in its folder unless ``in_its_folder`` is False (then in
+    the current one; ``sys.argv`` and ``sys.path[0]`` as
     ``python script *argv`` sets them); its exit status, 1 after an uncaught exception
     (traceback on stderr)."""
     folder = os.path.dirname(os.path.abspath(script))
-    os.chdir(folder)
+    if in_its_folder:
+        os.chdir(folder)
     sys.argv = [script, *argv]
     sys.path[0] = folder
     try:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import selectors
 import signal
 import socket
 import sys
-import traceback
+
+from tests.script_runner import run_script
 
 SOCKET_ENV = "TF_SPARSIFY_TEST_RANK_SERVER"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -58,23 +58,6 @@ def client(script: str, argv: list[str]) -> None:
 
 
 # -- the server ------------------------------------------------------------------------------
-def _run(script: str, argv: list[str]) -> int:
-    """In the child: ``script`` as ``python script *argv`` runs it; its exit status."""
-    sys.argv = [script, *argv]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            return stop.code or 0
-        print(stop.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
-
-
 def _start(connection: socket.socket, others: list) -> int:
     """Reads a client's request and forks the child that runs it; the child's pid."""
     message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
@@ -102,7 +85,7 @@ def _start(connection: socket.socket, others: list) -> int:
             os.environ.clear()
             os.environ.update(request["env"])
             os.chdir(request["cwd"])
-            code = _run(request["script"], request["argv"])
+            code = run_script(request["script"], request["argv"], in_its_folder=False)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
