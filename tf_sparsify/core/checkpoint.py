@@ -84,25 +84,20 @@ class StateCheckpoint(trackable.Trackable):
     def shared_variables(self) -> list:
         """The variables every replica holds alike (counters, compressor state, a Keras
         optimizer's own)."""
-        return [
-            e.variable for e in self._source.saved_entries() if not StateKind(e.kind).per_replica
-        ]
+        return [e.variable for e in self._entries(per_replica=False)]
 
     def per_replica_keys(self) -> dict[int, str]:
         """``id(variable) -> key`` of every per-replica variable."""
-        return {
-            id(e.variable): e.key
-            for e in self._source.saved_entries()
-            if StateKind(e.kind).per_replica
-        }
+        return {id(e.variable): e.key for e in self._entries(per_replica=True)}
 
     def local_rows(self) -> dict[str, np.ndarray]:
         """This process's rows of every per-replica variable."""
-        return {
-            e.key: _stacked(e.variable)
-            for e in self._source.saved_entries()
-            if StateKind(e.kind).per_replica
-        }
+        return {e.key: _stacked(e.variable) for e in self._entries(per_replica=True)}
+
+    def _entries(self, per_replica: bool) -> list[Entry]:
+        """The saved entries whose kind is (or is not) held per replica."""
+        entries = self._source.saved_entries()
+        return [e for e in entries if StateKind(e.kind).per_replica == per_replica]
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         """The manifest, a Python state: TF restores those before any tensor, so a
