@@ -26,7 +26,7 @@ import time
 import keras  # noqa: F401  (imported once, for every script)
 import sklearn.datasets  # noqa: F401
 import tensorflow as tf  # noqa: F401
-from script_runner import run_script
+from script_runner import exit_as_python, run_script
 
 import tf_sparsify  # noqa: F401
 
@@ -40,10 +40,7 @@ def _run_child(script: str, output: str, argv: list[str]) -> None:
     log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    code = run_script(script, argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_as_python(run_script(script, argv))
 
 
 def _fork(script: str, output: str, argv: list[str], env: dict[str, str]) -> int:

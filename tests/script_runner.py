@@ -3,6 +3,7 @@ the client of ``tests/fork_server.py``, which runs scripts so in forks of a warm
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 
 def run_script(script: str, argv: Sequence[str] = (), in_its_folder: bool = True) -> int:
@@ -33,6 +35,16 @@ def run_script(script: str, argv: Sequence[str] = (), in_its_folder: bool = True
         traceback.print_exc()
         return 1
     return 0
+
+
+def exit_as_python(code: int) -> NoReturn:
+    """End a forked child as the interpreter ends a process: run the ``atexit`` handlers
+    (``hvd.shutdown`` among them: a rank that skips it resets its peers' connections while
+    they still exchange, and they abort), flush the streams, then ``os._exit(code)``."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class ForkServer:

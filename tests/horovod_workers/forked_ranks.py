@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 
-from tests.script_runner import run_script
+from tests.script_runner import exit_as_python, run_script
 
 SOCKET_ENV = "TF_SPARSIFY_TEST_RANK_SERVER"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -86,8 +86,7 @@ def _start(connection: socket.socket, others: list) -> int:
             os.environ.update(request["env"])
             os.chdir(request["cwd"])
             code = run_script(request["script"], request["argv"], in_its_folder=False)
-            sys.stdout.flush()
-            sys.stderr.flush()
+            exit_as_python(code)
         finally:
             os._exit(code)
     for fd in fds:

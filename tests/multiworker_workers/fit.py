@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_sparsify as tfs  # noqa: E402
-from tf_sparsify import replica_values  # noqa: E402
+from tf_sparsify.core import replica_values  # noqa: E402
 
 GLOBAL_BATCH = 64
 ROWS = 512
