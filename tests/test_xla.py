@@ -29,6 +29,8 @@ from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.keras import sparse_sgd
 from tf_sparsify.ops import library, xla
 
+pytestmark = pytest.mark.xla  # compiles a step with XLA per test
+
 RNG = np.random.default_rng(7)
 X = RNG.standard_normal((64, 12)).astype(np.float32)
 Y = RNG.standard_normal((64, 3)).astype(np.float32)
