@@ -15,11 +15,20 @@ from tf_sparsify.compressors.base import Compressor, MultiRoundMethod
 from tf_sparsify.heuristics import clipping
 
 SCOPES = ("layer", "global")
+#: which buckets travel one step late: none, the last one backprop fills (the first layers'),
+#: or every one (a width-2 pipeline)
+LATE_BUCKETS = ("none", "last", "all")
 #: Default bucket size in bytes of dense gradient (as PyTorch DDP's bucket_cap_mb).
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 #: options written to configs only when they differ from their default (added after the
 #: first release, so older configs stay as they were)
-_WRITTEN_WHEN_SET = ("skip_1d", "momentum_correction", "local_clipnorm", "bucket_bytes")
+_WRITTEN_WHEN_SET = (
+    "skip_1d",
+    "momentum_correction",
+    "local_clipnorm",
+    "bucket_bytes",
+    "late_buckets",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +51,10 @@ class ExchangeOptions:
             gradients, so no bucket can start before the last gradient is ready.
         bucket_bytes: units travel in buckets of about this many bytes of dense gradient, in
             backprop order (``None``: :data:`DEFAULT_BUCKET_BYTES`).
+        late_buckets: which buckets are exchanged one step late, while the next step computes
+            (:mod:`tf_sparsify.core.late`): ``"none"`` (synchronous), ``"last"`` (the bucket
+            backprop fills last, the first layers') or ``"all"`` (every bucket); their update is
+            applied one step late.
     """
 
     error_feedback: bool | None = None
@@ -51,6 +64,7 @@ class ExchangeOptions:
     momentum_correction: float = 0.0
     local_clipnorm: float | None = None
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+    late_buckets: str = "none"
 
     def __post_init__(self):
         if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
@@ -70,6 +84,17 @@ class ExchangeOptions:
             "bucket_bytes",
             DEFAULT_BUCKET_BYTES if bucket is None else check_int("bucket_bytes", bucket),
         )
+        if self.late_buckets not in LATE_BUCKETS:
+            raise ValueError(
+                f"`late_buckets` must be one of {LATE_BUCKETS}; "
+                f"received late_buckets={self.late_buckets!r}"
+            )
+        if self.late_buckets != "none" and self.local_clipnorm is not None:
+            raise ValueError(
+                "`local_clipnorm` clips by the joint norm of one step's gradients, but with "
+                f"late_buckets={self.late_buckets!r} two steps' gradients travel together: "
+                "use one of them."
+            )
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)

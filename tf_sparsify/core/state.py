@@ -22,7 +22,7 @@ import tensorflow as tf
 from tf_sparsify.collectives import Collective
 from tf_sparsify.common.checks import check_int
 from tf_sparsify.compat import moved_names
-from tf_sparsify.core import replica_values
+from tf_sparsify.core import late, replica_values
 from tf_sparsify.core.checkpoint import StateCheckpoint
 from tf_sparsify.core.checkpoint_manifest import Entry
 from tf_sparsify.core.measurements import STAT_NAMES
@@ -66,6 +66,10 @@ class CompressionState:
         self.units: list[Unit] = []
         self.residuals: list = []
         self.momenta: list = []
+        #: per variable, the gradient of the last step still to travel (late units only)
+        self.in_flight: list = []
+        #: which variables travel one step late (:mod:`tf_sparsify.core.late`)
+        self.late: list[bool] = []
         #: per planned unit, the variables of its compressor's state (custom exchanges)
         self.states: list[tuple] = []
         self.names: tuple[str, ...] = ()
@@ -146,6 +150,10 @@ class CompressionState:
             self.pipeline.needs_residual(self.units, len(variables)), "residual"
         )
         self.momenta = buffers(self.pipeline.needs_momentum(self.units, len(variables)), "momentum")
+        self.late = late.late_variables(
+            self.units, len(variables), self.pipeline.options.late_buckets
+        )
+        self.in_flight = buffers(self.late, "in_flight")
         self.names = tuple(_unit_name(u, names) for u in self.units)
         self.states = [
             tuple(
@@ -244,14 +252,37 @@ class CompressionState:
             [replica_values.current_values(s) for s in self.states],
         )
         flags = StepFlags(record, per_replica, sparse_updates)
-        result = self.transport.run_pipeline(
-            self.pipeline, self.units, grads, memory, collective, flags
-        )
+        if any(self.late):
+            result = self._run_late_then_now(grads, memory, collective, flags)
+        else:
+            result = self.transport.run_pipeline(
+                self.pipeline, self.units, grads, memory, collective, flags
+            )
         updates, finite = collective.layout.from_layout(result.updates, result.finite)
         result = dataclasses.replace(result, updates=updates, finite=finite)
         if finish is not None:
             result = finish(result)
         self._write_back(result, record)
+        return result
+
+    def _run_late_then_now(
+        self, grads: list, memory: StepMemory, collective: Collective, flags: StepFlags
+    ) -> StepResult:
+        """The in-flight gradients of the late units (keyed by the step they were computed
+        in, as if sent then), then this step's of the others, through the pipeline; this
+        step's late gradients go in flight."""
+        arrived = replica_values.current_values(self.in_flight)
+        late_grads, now = late.split(grads, self.late)
+        sent = [a if g is not None else None for a, g in zip(arrived, late_grads, strict=True)]
+        computed_in = dataclasses.replace(memory, iteration=self.step - 1)
+        run = self.transport.run_pipeline
+        result = late.merge(
+            run(self.pipeline, self.units, sent, computed_in, collective, flags),
+            run(self.pipeline, self.units, now, memory, collective, flags),
+        )
+        for buffer, g in zip(self.in_flight, late_grads, strict=True):
+            if buffer is not None and g is not None:
+                buffer.assign(tf.convert_to_tensor(g))
         return result
 
     def _write_back(self, result: StepResult, record) -> None:
