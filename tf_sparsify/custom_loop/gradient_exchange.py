@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tf_sparsify.compressors.base import Compressor
 from tf_sparsify.compressors.dense import Identity
+from tf_sparsify.core import late
 from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.core.state import CompressionState
 from tf_sparsify.core.state_kinds import StateKind
@@ -84,10 +85,12 @@ class GradientExchange(FrontEnd, tf.Module):
         return self._state.step
 
     def needs_state(self) -> bool:
-        """Whether this exchange must outlive one step: it keeps residuals or momenta, or
-        draws randomness."""
+        """Whether this exchange must outlive one step: it keeps residuals, momenta or
+        gradients in flight, or draws randomness."""
         pipeline = self.pipeline
-        stateful = pipeline.options.error_feedback or pipeline.options.momentum_correction > 0
+        options = pipeline.options
+        stateful = options.error_feedback or options.momentum_correction > 0
+        stateful = stateful or options.late_buckets != "none"
         return stateful or pipeline.compressor.randomized
 
     def build(self, variables: Sequence) -> None:
@@ -124,6 +127,17 @@ class GradientExchange(FrontEnd, tf.Module):
             )
         self.build(variables)
         return self._state.run(grads, self._state.collective(grads)).updates
+
+    def in_flight_updates(self, variables: Sequence) -> list[tf.Tensor | None]:
+        """With ``late_buckets``: the averaged updates still in flight after the last step
+        (the late variables' last gradients), ``None`` for the other variables; apply them
+        after the last step, as the steps' updates (in ``strategy.run`` under a strategy),
+        so no gradient is lost. Without late buckets: all ``None``."""
+        variables = list(variables)
+        self.build(variables)
+        if not any(self._state.late):
+            return [None] * len(variables)
+        return self.updates(late.flush_gradients(self._state.late, variables), variables)
 
 
 def _in_replica_of_many() -> bool:

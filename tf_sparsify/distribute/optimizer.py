@@ -63,6 +63,12 @@ class ServerOptimizer(SparsifiedOptimizer):
                 "`server` must be a tf_sparsify.distribute server (DelayedGradients, IAG); "
                 f"received server={server!r}"
             )
+        if kwargs.get("late_buckets", "none") != "none":
+            raise ValueError(
+                "ServerOptimizer simulates delays through its `server`; real late buckets do "
+                "not go with it: use server=DelayedGradients(1) or a SparsifiedOptimizer with "
+                f"late_buckets; received late_buckets={kwargs['late_buckets']!r}"
+            )
         transport = None if workers is None else SimulatedWorkersTransport(workers)
         super().__init__(inner_optimizer, compressor, transport=transport, **kwargs)
         if workers is not None and self.pipeline.options.local_clipnorm is not None:

@@ -28,7 +28,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify.core import replica_values
-from tf_sparsify.keras import backups, keras_private
+from tf_sparsify.keras import backups, in_flight, keras_private
 from tf_sparsify.keras.wrapped import find_sparsified
 
 #: the model whose ``fit``/``evaluate``/``predict`` call is running, when the repair applies
@@ -61,7 +61,8 @@ def applies_to(model) -> bool:
 def _repairing(method: Callable, name: str) -> Callable:
     """``method`` with the repair switched on for the duration of the call, when it applies;
     ``BackupAndRestore`` callbacks of the models it applies to keep every worker's own
-    backups (:mod:`tf_sparsify.keras.backups`), under any strategy."""
+    backups (:mod:`tf_sparsify.keras.backups`), under any strategy; ``fit`` ends by applying
+    the update still in flight (:mod:`tf_sparsify.keras.in_flight`)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -69,14 +70,18 @@ def _repairing(method: Callable, name: str) -> Callable:
             return method(self, *args, **kwargs)
         backups.take_over(kwargs.get("callbacks"), self)
         if not replica_values.is_multi_worker(self.distribute_strategy):
-            return method(self, *args, **kwargs)
+            result = method(self, *args, **kwargs)
+        else:
+            if name == "fit":
+                _warn_if_shuffles_may_differ(args, kwargs)
+            token = _repaired_call.set(True)
+            try:
+                result = method(self, *args, **kwargs)
+            finally:
+                _repaired_call.reset(token)
         if name == "fit":
-            _warn_if_shuffles_may_differ(args, kwargs)
-        token = _repaired_call.set(True)
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            _repaired_call.reset(token)
+            in_flight.apply_at_fit_end(self)
+        return result
 
     return wrapper
 

@@ -11,6 +11,7 @@ import tensorflow as tf
 from tf_sparsify.collectives import Collective
 from tf_sparsify.compressors.base import Compressor, deserialize
 from tf_sparsify.compressors.rounds import SparseUpdate
+from tf_sparsify.core import late
 from tf_sparsify.core.options import ExchangeOptions
 from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.core.state import CompressionState
@@ -182,6 +183,21 @@ class SparsifiedOptimizer(OptimizerVariables, FrontEnd, keras.optimizers.Optimiz
         ordered = self._in_build_order(grads, variables)
         # Keras' checks: "No gradients provided" for all-None, a warning for some None.
         keras_private.check_gradients(self, grads, variables or built_for)
+        self._apply_in_build_order(ordered)
+
+    def apply_in_flight(self) -> None:
+        """Apply the update still in flight with ``late_buckets`` (the late units' last
+        gradients): one step with zero gradients for the late variables and none for the
+        others. ``fit`` calls it when it ends; a custom loop calls it after its last step, in
+        a replica context as its steps (``strategy.run``). Nothing happens without late
+        buckets; a second call applies zeros."""
+        if self.built and any(self._state.late):
+            built_for = keras_private.trainable_variables(self)
+            self._apply_in_build_order(late.flush_gradients(self._state.late, built_for))
+
+    def _apply_in_build_order(self, ordered: list) -> None:
+        """One step on gradients aligned with the built variables (``None``: no gradient)."""
+        built_for = keras_private.trainable_variables(self)
         # A LossScaleOptimizer inside scales the gradients by its dynamic scale, which changes
         # between steps: exchange in gradient units so the residuals never mix scales, and hand
         # it the update scaled back (exact: the scale is a power of two).
