@@ -277,6 +277,17 @@ def test_powersgd_update_matches_numpy_and_bytes_match(exact):
         assert record["wire_bytes_per_step"] < record["dense_bytes_per_step"]
 
 
+def test_late_buckets_apply_the_synchronous_updates_one_step_later(exact):
+    """``late_buckets="all"`` under Horovod (optimizer in a tf.function, and the custom-loop
+    exchange): step t applies the reference's update of step t - 1, the flush the last one;
+    the late bucket is still one grouped collective per payload kind, as synchronously."""
+    reduces, gathers = STEP_OPS["topk_ef_min_size"]
+    want = {"HorovodAllgather": 1, "HorovodGroupedAllreduce": reduces}
+    want["HorovodGroupedAllgather"] = gathers
+    for record in _passed(exact, "late_buckets").values():
+        assert record["horovod_ops"] == want
+
+
 def test_exchange_checkpoint_restores_residuals_and_step(exact):
     _passed(exact, "exchange_checkpoint")
 
@@ -312,6 +323,7 @@ MISMATCHES = {
     "compressor": "compressor",
     "dtype": "variable shapes and dtypes",
     "error_feedback": "pipeline options",
+    "late_buckets": "pipeline options",
     "k_eager": "compressor",
     "exchange_k": "compressor",
     "exchange_min_size": "pipeline options",

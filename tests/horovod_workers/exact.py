@@ -170,6 +170,37 @@ def check_config(name: str) -> dict:
     }
 
 
+def check_late_buckets() -> dict:
+    """Every bucket one step late: the synchronous reference's updates a step later (zero at
+    step 0), the last one applied by the flush; the residuals as the reference's."""
+    make, options = CONFIGS["topk_ef_min_size"]
+    expected, expected_residuals = reference(make(), options)
+    expected = [[np.zeros(s, "float32") for s in SHAPES], *expected]
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
+    opt = th.DistributedOptimizer(
+        keras.optimizers.SGD(learning_rate=1.0), make(), late_buckets="all", **options
+    )
+    apply = train_step(opt, variables)
+    exchange = th.GradientExchange(make(), late_buckets="all", **options)
+    for step in range(STEPS + 1):
+        before = [v.numpy() for v in variables]
+        if step < STEPS:
+            apply(grads_of(RANK, step))
+            tape_got = exchange.updates(grads_of(RANK, step), variables)
+        else:
+            tf.function(opt.apply_in_flight)()
+            tape_got = exchange.in_flight_updates(variables)
+        got = [b - v.numpy() for b, v in zip(before, variables, strict=True)]
+        for i in range(len(SHAPES)):
+            assert_close(got[i], expected[step][i], f"optimizer update {i} step {step}")
+            assert_close(tape_got[i], expected[step][i], f"tape update {i} step {step}")
+    for i, r in enumerate(opt.residuals):
+        if r is not None:
+            assert_close(r.numpy(), expected_residuals[i], f"optimizer residual {i}")
+            assert_close(exchange.residuals[i].numpy(), expected_residuals[i], f"residual {i}")
+    return {"horovod_ops": horovod_ops(apply, grads_of(RANK, 0))}
+
+
 def check_powersgd() -> dict:
     """PowerSGD(2) in DistributedOptimizer and GradientExchange: the (6, 5) gradient's update
     (the mean over ranks approximated: divisor = size), this rank's residual and Q against
@@ -492,6 +523,7 @@ def main() -> None:
     for name in CONFIGS:
         checks.run(f"update_{name}", lambda name=name: check_config(name))
     checks.run("update_powersgd", check_powersgd)
+    checks.run("late_buckets", check_late_buckets)
     with tempfile.TemporaryDirectory() as tmp:
         checks.run("exchange_checkpoint", lambda: check_exchange_checkpoint(tmp))
     checks.run("tape_momentum_equals_optimizer", check_tape_momentum_equals_optimizer)

@@ -108,6 +108,13 @@ def main() -> None:
         ),
     )
     checks.run(
+        "late_buckets",
+        lambda: expect_mismatch(
+            "pipeline options",
+            lambda: fit(make_model(), tfs.TopK(k=4), late_buckets="all" if RANK else "none"),
+        ),
+    )
+    checks.run(
         "k_eager",
         lambda: expect_mismatch("compressor", lambda: fit(make_model(), tfs.TopK(k=k), eager=True)),
     )

@@ -1,0 +1,279 @@
+"""One-step-late buckets (``late_buckets``, :mod:`tf_sparsify.core.late`): the real delay
+equals the simulated one, conserves the gradient, is checkpointed, is applied when ``fit``
+ends, and its collectives do not depend on the step's gradients in the traced graph."""
+
+from __future__ import annotations
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sparsify as tfs
+from tf_sparsify.collectives import LocalCollective
+from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
+
+RNG = np.random.default_rng(3)
+X = RNG.standard_normal((64, 8)).astype(np.float32)
+Y = RNG.standard_normal((64, 2)).astype(np.float32)
+#: four steps of fixed gradients for a [6, 4] kernel and a [4] bias
+GRADS = [
+    [RNG.standard_normal((6, 4)).astype(np.float32), RNG.standard_normal(4).astype(np.float32)]
+    for _ in range(4)
+]
+
+
+def mlp() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(6), keras.layers.Dense(2)])
+
+
+def fit_weights(strategy, make_optimizer) -> tuple[list[list[np.ndarray]], keras.Model]:
+    """Every step's weights over two epochs of ``fit`` (4 steps each), and the model."""
+    with strategy.scope():
+        model = mlp()
+        model.compile(make_optimizer(), "mse", jit_compile=False)
+    steps = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: steps.append([w.numpy() for w in model.weights])
+    )
+    model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[record])
+    return steps, model
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [lambda: tfs.TopK(ratio=0.3), lambda: tfs.QSGD(levels=4, seed=2)],
+    ids=["topk", "qsgd"],
+)
+def test_every_bucket_late_equals_delayed_gradients_of_one_step(mirrored2, compressor):
+    late, late_model = fit_weights(
+        mirrored2,
+        lambda: tfs.SparsifiedOptimizer(
+            keras.optimizers.SGD(0.1), compressor(), late_buckets="all"
+        ),
+    )
+    simulated, _ = fit_weights(
+        mirrored2,
+        lambda: ServerOptimizer(keras.optimizers.SGD(0.1), compressor(), DelayedGradients(1)),
+    )
+    assert len(late) == len(simulated) == 8
+    for step, (a, b) in enumerate(zip(late, simulated, strict=True)):
+        for u, v in zip(a, b, strict=True):
+            np.testing.assert_array_equal(u, v, err_msg=f"step {step}")
+    # fit's end applied the last step's update, still in flight: one more step
+    assert int(late_model.optimizer.iterations.numpy()) == 9
+    assert any(
+        not np.array_equal(u, v) for u, v in zip(late[-1], late_model.get_weights(), strict=True)
+    )
+
+
+def numpy_late_topk(k: int, lr: float, steps: list) -> tuple[list[np.ndarray], list, list]:
+    """Weights, residuals and in-flight gradients of TopK with error feedback, every tensor
+    one step late (NumPy model; starts at zero weights)."""
+    weights = [np.zeros_like(g) for g in steps[0]]
+    residuals = [np.zeros_like(g) for g in steps[0]]
+    in_flight = [np.zeros_like(g) for g in steps[0]]
+    for grads in [*steps, [np.zeros_like(g) for g in steps[0]]]:  # the last: the flush
+        for i, g in enumerate(grads):
+            acc = residuals[i] + in_flight[i]
+            flat = acc.reshape(-1)
+            top = np.argsort(-np.abs(flat), kind="stable")[: min(k, flat.size)]
+            sent = np.zeros_like(flat)
+            sent[top] = flat[top]
+            residuals[i] = (flat - sent).reshape(acc.shape)
+            weights[i] = weights[i] - np.float32(lr) * sent.reshape(acc.shape)
+            in_flight[i] = g
+    return weights, residuals, in_flight
+
+
+def test_late_topk_matches_numpy_and_conserves_the_gradient():
+    variables = [tf.Variable(tf.zeros([6, 4])), tf.Variable(tf.zeros([4]))]
+    optimizer = tfs.SparsifiedOptimizer(
+        keras.optimizers.SGD(0.5), tfs.TopK(k=3), late_buckets="all"
+    )
+    for grads in GRADS:
+        optimizer.apply([tf.constant(g) for g in grads], variables)
+    optimizer.apply_in_flight()
+    weights, residuals, in_flight = numpy_late_topk(3, 0.5, GRADS)
+    for v, w in zip(variables, weights, strict=True):
+        np.testing.assert_allclose(v.numpy(), w, rtol=1e-6, atol=1e-7)
+    state = optimizer._state
+    for buffer, expected in zip(state.residuals, residuals, strict=True):
+        np.testing.assert_allclose(buffer.numpy(), expected, rtol=1e-6, atol=1e-7)
+    for buffer, expected in zip(state.in_flight, in_flight, strict=True):
+        np.testing.assert_array_equal(buffer.numpy(), expected)
+    # conservation: applied updates + residual + in flight = every gradient, nothing lost
+    for i, v in enumerate(variables):
+        applied = -v.numpy() / 0.5
+        total = sum(g[i] for g in GRADS)
+        np.testing.assert_allclose(
+            applied + state.residuals[i].numpy() + state.in_flight[i].numpy(), total, atol=1e-5
+        )
+
+
+def test_only_the_last_bucket_backprop_fills_waits_a_step():
+    model = mlp()
+    optimizer = tfs.SparsifiedOptimizer(
+        keras.optimizers.SGD(0.1), tfs.TopK(ratio=0.5), late_buckets="last", bucket_bytes=1
+    )
+    model.compile(optimizer, "mse", jit_compile=False)
+    before = model.get_weights()
+    model.train_on_batch(X[:16], Y[:16])
+    after = model.get_weights()
+    # one bucket per variable: the first layer's kernel is the last bucket backprop fills
+    assert optimizer._state.late == [True, False, False, False]
+    np.testing.assert_array_equal(after[0], before[0])  # its first update is in flight
+    assert all(not np.array_equal(a, b) for a, b in zip(after[1:], before[1:], strict=True))
+
+
+def test_restore_then_continue_equals_not_stopping(tmp_path):
+    def make() -> tuple[list, tfs.SparsifiedOptimizer]:
+        variables = [tf.Variable(tf.zeros([6, 4])), tf.Variable(tf.zeros([4]))]
+        optimizer = tfs.SparsifiedOptimizer(
+            keras.optimizers.Adam(0.1), tfs.TopK(k=5), late_buckets="all"
+        )
+        optimizer.build(variables)
+        return variables, optimizer
+
+    def steps(variables, optimizer, grads) -> None:
+        for g in grads:
+            optimizer.apply([tf.constant(t) for t in g], variables)
+
+    variables, optimizer = make()
+    steps(variables, optimizer, GRADS)
+    optimizer.apply_in_flight()
+
+    first, first_optimizer = make()
+    steps(first, first_optimizer, GRADS[:2])
+    path = tf.train.Checkpoint(variables=first, optimizer=first_optimizer).write(
+        str(tmp_path / "ckpt")
+    )
+    assert np.any(first_optimizer._state.in_flight[0].numpy())
+    second, second_optimizer = make()
+    tf.train.Checkpoint(variables=second, optimizer=second_optimizer).read(path).assert_consumed()
+    steps(second, second_optimizer, GRADS[2:])
+    second_optimizer.apply_in_flight()
+    for a, b in zip(variables, second, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_second_flush_applies_nothing():
+    variables = [tf.Variable(tf.zeros([6, 4])), tf.Variable(tf.zeros([4]))]
+    optimizer = tfs.SparsifiedOptimizer(
+        keras.optimizers.SGD(0.5), tfs.TopK(k=24), late_buckets="all"
+    )
+    optimizer.apply([tf.constant(g) for g in GRADS[0]], variables)
+    optimizer.apply_in_flight()
+    once = [v.numpy() for v in variables]
+    optimizer.apply_in_flight()
+    for v, w in zip(variables, once, strict=True):
+        np.testing.assert_array_equal(v.numpy(), w)
+
+
+def test_a_custom_loop_applies_what_is_in_flight_after_its_last_step():
+    variables = [tf.Variable(tf.zeros([6, 4])), tf.Variable(tf.zeros([4]))]
+    exchange = tfs.GradientExchange(tfs.TopK(k=3), late_buckets="all")
+    optimizer = keras.optimizers.SGD(0.5)
+    for grads in GRADS:
+        optimizer.apply(exchange.updates([tf.constant(g) for g in grads], variables), variables)
+    optimizer.apply(exchange.in_flight_updates(variables), variables)
+    weights, _, _ = numpy_late_topk(3, 0.5, GRADS)
+    for v, w in zip(variables, weights, strict=True):
+        np.testing.assert_allclose(v.numpy(), w, rtol=1e-6, atol=1e-7)
+    assert exchange.needs_state()
+    assert tfs.GradientExchange(tfs.TopK(k=3)).in_flight_updates(variables) == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"late_buckets": "first"}, "late_buckets='first'"),
+        ({"late_buckets": True}, "late_buckets=True"),
+        ({"late_buckets": "all", "local_clipnorm": 1.0}, "late_buckets='all'"),
+    ],
+)
+def test_bad_late_buckets_are_named(kwargs, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=2), **kwargs)
+
+
+def test_a_server_refuses_real_late_buckets():
+    with pytest.raises(ValueError, match="late_buckets='last'"):
+        ServerOptimizer(
+            keras.optimizers.SGD(0.1), tfs.TopK(k=2), DelayedGradients(1), late_buckets="last"
+        )
+
+
+# -- the traced graph: what the late collectives depend on -----------------------------------
+class CollectiveOps(LocalCollective):
+    """One replica whose payloads pass through TensorFlow's collective op (a group of one),
+    as under ``MultiWorkerMirroredStrategy``: ordered with the step's other stateful ops by
+    TensorFlow's automatic control dependencies."""
+
+    keys = itertools.count(1)
+
+    def _reduce(self, t: tf.Tensor) -> tf.Tensor:
+        carried = t if t.dtype.is_floating else tf.cast(t, tf.int64)  # the op's dtypes
+        reduced = tf.raw_ops.CollectiveReduceV2(
+            input=carried,
+            group_size=tf.constant(1),
+            group_key=tf.constant(1),
+            instance_key=tf.constant(next(self.keys)),
+            ordering_token=[],
+            merge_op="Add",
+            final_op="Id",
+        )
+        return tf.cast(reduced, t.dtype)
+
+    def all_reduce_sum(self, tensors):
+        return [self._reduce(t) for t in tensors]
+
+    def all_gather(self, tensors):
+        return [self._reduce(t)[None] for t in tensors]
+
+
+def ancestors(op: tf.Operation) -> set[tf.Operation]:
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def collectives_on_the_gradient(late_buckets: str) -> list[bool]:
+    """For each collective of a traced step (forward, backward, exchange), whether it depends
+    on the step's gradients (through data or control edges)."""
+    model = mlp()
+    optimizer = tfs.SparsifiedOptimizer(
+        keras.optimizers.SGD(0.1), tfs.TopK(ratio=0.5), late_buckets=late_buckets, bucket_bytes=1
+    )
+    optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        grads = [tf.identity(g, name="step_gradient") for g in grads]
+        optimizer.compression_step(grads, CollectiveOps())
+
+    graph = step.get_concrete_function(tf.constant(X[:16]), tf.constant(Y[:16])).graph
+    collectives = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
+    assert collectives
+    return [
+        any(a.name.split("/")[-1].startswith("step_gradient") for a in ancestors(op))
+        for op in collectives
+    ]
+
+
+def test_late_collectives_do_not_depend_on_the_steps_gradients():
+    assert all(collectives_on_the_gradient("none"))
+    assert not any(collectives_on_the_gradient("all"))
+    last = collectives_on_the_gradient("last")
+    assert not all(last) and any(last)
