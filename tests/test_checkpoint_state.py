@@ -77,10 +77,13 @@ def test_mirrored_restore_then_continue_equals_not_stopping(tmp_path, mirrored2,
         np.testing.assert_array_equal(a, b)
 
 
-def test_custom_loop_exchange_restores_every_replica(tmp_path, mirrored2):
+@pytest.mark.parametrize("late_buckets", ["none", "all"])
+def test_custom_loop_exchange_restores_every_replica(tmp_path, mirrored2, late_buckets):
+    """Residuals, the step and (with late buckets) the gradients in flight, per replica."""
+
     def make():
         with mirrored2.scope():
-            exchange = tfs.GradientExchange(tfs.TopK(ratio=0.2))
+            exchange = tfs.GradientExchange(tfs.TopK(ratio=0.2), late_buckets=late_buckets)
             variables = [tf.Variable(tf.zeros((6, 5))), tf.Variable(tf.zeros(5))]
             exchange.build(variables)
         return exchange, variables
@@ -96,11 +99,15 @@ def test_custom_loop_exchange_restores_every_replica(tmp_path, mirrored2):
     exchange, variables = make()
     for s in range(3):
         step(exchange, variables, s)
-    saved = [_rows(r) for r in exchange.residuals]
+    kept = exchange.residuals + [b for b in exchange._state.in_flight if b is not None]
+    saved = [_rows(r) for r in kept]
     path = tf.train.Checkpoint(exchange=exchange).save(str(tmp_path / "e"))
     again, variables2 = make()
     tf.train.Checkpoint(exchange=again).restore(path).assert_consumed()
-    for want, got in zip(saved, again.residuals, strict=True):
+    restored = again.residuals + [b for b in again._state.in_flight if b is not None]
+    assert len(restored) == (4 if late_buckets == "all" else 2)
+    for want, got in zip(saved, restored, strict=True):
+        assert not np.array_equal(*want)  # the replicas' rows differ
         np.testing.assert_array_equal(want, _rows(got))
     assert int(again.step.numpy()) == 3
     a = step(exchange, variables, 9)
