@@ -271,15 +271,22 @@ class CompressionState:
         """The in-flight gradients of the late units (keyed by the step they were computed
         in, as if sent then), then this step's of the others, through the pipeline; this
         step's late gradients go in flight."""
-        arrived = replica_values.current_values(self.in_flight)
+        # an identity in the replica's device scope: a traced read of a sync-on-read variable
+        # has no device, which MultiWorkerMirroredStrategy's all-reduce refuses
+        arrived = [
+            None if v is None else tf.identity(v)
+            for v in replica_values.current_values(self.in_flight)
+        ]
         late_grads, now = late.split(grads, self.late)
         sent = [a if g is not None else None for a, g in zip(arrived, late_grads, strict=True)]
         computed_in = dataclasses.replace(memory, iteration=self.step - 1)
-        run = self.transport.run_pipeline
-        result = late.merge(
-            run(self.pipeline, self.units, sent, computed_in, collective, flags),
-            run(self.pipeline, self.units, now, memory, collective, flags),
-        )
+        parts = [(sent, computed_in), (now, memory)]
+        results = [
+            self.transport.run_pipeline(self.pipeline, self.units, g, m, collective, flags)
+            for g, m in parts
+            if any(x is not None for x in g)  # a run with nothing to send is left out
+        ]
+        result = results[0] if len(results) == 1 else late.merge(*results)
         for buffer, g in zip(self.in_flight, late_grads, strict=True):
             if buffer is not None and g is not None:
                 buffer.assign(tf.convert_to_tensor(g))

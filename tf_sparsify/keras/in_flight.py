@@ -3,8 +3,6 @@ so no gradient is lost (:mod:`tf_sparsify.core.late`)."""
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from tf_sparsify.keras.wrapped import find_sparsified
 
 
@@ -14,4 +12,4 @@ def apply_at_fit_end(model) -> None:
     optimizer = find_sparsified(getattr(model, "optimizer", None))
     if optimizer is None or optimizer.pipeline.options.late_buckets == "none":
         return
-    model.distribute_strategy.run(tf.function(optimizer.apply_in_flight))
+    model.distribute_strategy.run(optimizer.apply_in_flight)  # eagerly: once per fit
