@@ -27,14 +27,15 @@ import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
 
 import tf_sparsify.horovod as th  # noqa: E402
-from benchmarks.network.models import make_compressor  # noqa: E402
+from benchmarks.network.models import exchange_setup  # noqa: E402
 from benchmarks.network.tasks import TASKS, Batch, Task  # noqa: E402
 
 
 def make_trainee(task: Task, name: str, lr: float) -> keras.Model:
     """The task's model compiled with ``name``'s compressor around its inner optimizer."""
     model = task.model()
-    optimizer = th.DistributedOptimizer(task.optimizer(lr), make_compressor(name))
+    compressor, options = exchange_setup(name)
+    optimizer = th.DistributedOptimizer(task.optimizer(lr), compressor, **options)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer, loss, jit_compile=False)  # Horovod's ops are not XLA ops
     return model

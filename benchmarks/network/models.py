@@ -28,12 +28,22 @@ COMPRESSORS = {
     "topk1": "TopK 1% + EF",
     "topk0.1": "TopK 0.1% + EF",
     "qsgd4": "QSGD s=4 (one bucket per tensor)",
+    # one-step-late buckets (late_buckets): the last bucket for TopK, every bucket for dense
+    "topk1_late": "TopK 1% + EF, last bucket a step late",
+    "identity_late": "Identity (dense), every bucket a step late",
+    "fp16_late": "FP16, every bucket a step late",
     # overlap probes: the two halves of a TopK 1% step, each alone
     "compute": "compute only (local SGD, no exchange)",
     "compute_sync": "compute + lockstep (local SGD, a 1-float all-reduce per step)",
     "exchange_topk1": "TopK 1% exchange only",
     # MultiWorkerMirroredStrategy: TopK 1% trained by a custom loop instead of model.fit
     "loop_topk1": "TopK 1% + EF, custom loop (strategy.run)",
+}
+#: late variants: benchmark name -> (the compressor's benchmark name, ``late_buckets``)
+LATE = {
+    "topk1_late": ("topk1", "last"),
+    "identity_late": ("identity", "all"),
+    "fp16_late": ("fp16", "all"),
 }
 #: names in COMPRESSORS that are probes, not compressors
 PROBES = ("compute", "compute_sync", "exchange_topk1", "loop_topk1")
@@ -202,3 +212,11 @@ def make_compressor(name: str) -> tfs.Compressor:
     if name not in factories:
         raise ValueError(f"compressor {name!r}: choose from {tuple(factories)}")
     return factories[name]()
+
+
+def exchange_setup(name: str) -> tuple[tfs.Compressor, dict[str, Any]]:
+    """The compressor and the exchange options of a benchmark name (a probe's: TopK 1%)."""
+    if name in PROBES:
+        name = "topk1"
+    base, late = LATE.get(name, (name, "none"))
+    return make_compressor(base), {} if late == "none" else {"late_buckets": late}

@@ -53,8 +53,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_sparsify as tfs  # noqa: E402
 from benchmarks.network.models import (  # noqa: E402
-    PROBES,
-    make_compressor,
+    exchange_setup,
     make_model,
     synthetic_batch,
 )
@@ -127,8 +126,8 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
     trainers = []
     for name in args.compressors.split(","):
         model = make_model(args.model, args.image_size, SEED)
-        compressor = make_compressor("topk1" if name in PROBES else name)
-        optimizer = th.DistributedOptimizer(sgd(args), compressor)
+        compressor, options = exchange_setup(name)
+        optimizer = th.DistributedOptimizer(sgd(args), compressor, **options)
         if name == "exchange_topk1":
             optimizer.build(model.trainable_variables)
             trainers.append(Trainer(name, one_by_one(exchange_only(optimizer)), optimizer))
@@ -196,10 +195,10 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Ga
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
     trainers = []
     for name in args.compressors.split(","):
-        compressor = make_compressor("topk1" if name in PROBES else name)
+        compressor, options = exchange_setup(name)
         with strategy.scope():
             model = make_model(args.model, args.image_size, SEED)
-            optimizer = tfs.SparsifiedOptimizer(sgd(args), compressor)
+            optimizer = tfs.SparsifiedOptimizer(sgd(args), compressor, **options)
         if name == "loop_topk1":
             local = tf.constant(batches[rank][0]), tf.constant(batches[rank][1])
             run = one_by_one(loop_step(strategy, model, optimizer, *local))
