@@ -41,6 +41,8 @@ CONFIGS = {
     "fp16": lambda: tfs.FP16(),
     "bf16": lambda: tfs.BF16(),
 }
+#: late variants: name -> (the configuration's compressor, ``late_buckets``)
+LATE = {"topk1_late": ("topk1", "last"), "identity_late": ("identity", "all")}
 
 
 def mlp(widths: tuple[int, ...]) -> keras.Model:
@@ -64,8 +66,9 @@ def compiled(
     name: str, model_name: str, widths: tuple[int, ...], momentum: float = 0.0
 ) -> keras.Model:
     optimizer = keras.optimizers.SGD(0.01, momentum=momentum)
-    if CONFIGS[name] is not None:
-        optimizer = tfs.SparsifiedOptimizer(optimizer, CONFIGS[name]())
+    base, late = LATE.get(name, (name, "none"))
+    if CONFIGS[base] is not None:
+        optimizer = tfs.SparsifiedOptimizer(optimizer, CONFIGS[base](), late_buckets=late)
     # mlp10m: the MLP of --widths; else the network benchmark's model
     model = mlp(widths) if model_name == "mlp10m" else make_model(model_name, 32, seed=0)
     model.compile(
@@ -93,7 +96,7 @@ class EpochTimer(keras.callbacks.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--configs", default="sgd,topk1,qsgd4", help=f"comma list of {list(CONFIGS)}"
+        "--configs", default="sgd,topk1,qsgd4", help=f"comma list of {[*CONFIGS, *LATE]}"
     )
     parser.add_argument("--model", choices=MODELS, default="mlp10m")
     parser.add_argument("--widths", default="784,2048,2048,2048,10", help="mlp10m's layers")
