@@ -14,6 +14,7 @@ import tensorflow as tf
 import tf_sparsify as tfs
 from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
+from tf_sparsify.testing import numpy_reference as npref
 
 RNG = np.random.default_rng(3)
 X = RNG.standard_normal((64, 8)).astype(np.float32)
@@ -72,19 +73,19 @@ def test_every_bucket_late_equals_delayed_gradients_of_one_step(mirrored2, compr
 
 def numpy_late_topk(k: int, lr: float, steps: list) -> tuple[list[np.ndarray], list, list]:
     """Weights, residuals and in-flight gradients of TopK with error feedback, every tensor
-    one step late (NumPy model; starts at zero weights)."""
+    one step late (the kernel's NumPy model; starts at zero weights)."""
     weights = [np.zeros_like(g) for g in steps[0]]
     residuals = [np.zeros_like(g) for g in steps[0]]
     in_flight = [np.zeros_like(g) for g in steps[0]]
     for grads in [*steps, [np.zeros_like(g) for g in steps[0]]]:  # the last: the flush
         for i, g in enumerate(grads):
-            acc = residuals[i] + in_flight[i]
-            flat = acc.reshape(-1)
-            top = np.argsort(-np.abs(flat), kind="stable")[: min(k, flat.size)]
-            sent = np.zeros_like(flat)
-            sent[top] = flat[top]
-            residuals[i] = (flat - sent).reshape(acc.shape)
-            weights[i] = weights[i] - np.float32(lr) * sent.reshape(acc.shape)
+            values, indices, residual = npref.topk_error_feedback(
+                in_flight[i].view(np.uint32), residuals[i].view(np.uint32), k, "float32"
+            )
+            sent = np.zeros(g.size, np.float32)
+            sent[indices] = values.view(np.float32)
+            residuals[i] = residual.view(np.float32).reshape(g.shape)
+            weights[i] = weights[i] - np.float32(lr) * sent.reshape(g.shape)
             in_flight[i] = g
     return weights, residuals, in_flight
 
