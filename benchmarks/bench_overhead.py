@@ -28,7 +28,7 @@ import tensorflow as tf  # noqa: E402
 import tf_sparsify as tfs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.network.models import BATCH, make_model, synthetic_batch  # noqa: E402
+from benchmarks.network.models import BATCH, LATE, make_model, synthetic_batch  # noqa: E402
 
 MODELS = ("mlp10m", "mobilenetv2", "transformer")
 
@@ -41,8 +41,6 @@ CONFIGS = {
     "fp16": lambda: tfs.FP16(),
     "bf16": lambda: tfs.BF16(),
 }
-#: late variants: name -> (the configuration's compressor, ``late_buckets``)
-LATE = {"topk1_late": ("topk1", "last"), "identity_late": ("identity", "all")}
 
 
 def mlp(widths: tuple[int, ...]) -> keras.Model:
