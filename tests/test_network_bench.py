@@ -26,7 +26,7 @@ import pytest
 from benchmarks.network import report, run
 from benchmarks.network.affinity import local_rank, rank_cores
 from benchmarks.network.jobs import JobFailed, run_job
-from benchmarks.network.models import BACKEND_PROBES, COMPRESSORS, LATE, PROBES
+from benchmarks.network.models import BACKEND_PROBES, COMPRESSORS, EXCHANGE_ONLY, LATE, PROBES
 from benchmarks.network.netns import PRETEND_NO_ROOT_ENV, shaped_namespace, unavailable_reason
 from benchmarks.network.steps import lockstep_floor, slowest_pace
 from benchmarks.network.tasks import TASKS
@@ -123,11 +123,11 @@ def test_compressed_payloads_are_smaller(quick):
     # the same payloads whichever front end moves them
     for name in set(NAMES["mwms"]) & set(NAMES["horovod"]):
         assert rows[("horovod", name)]["bytes_per_step"] == rows[("mwms", name)]["bytes_per_step"]
-    # the exchange-only probe moves exactly TopK 1%'s payloads
-    assert (
-        rows[("horovod", "exchange_topk1")]["bytes_per_step"]
-        == (rows[("horovod", "topk1")]["bytes_per_step"])
-    )
+    # each exchange-only probe moves exactly its compressor's payloads
+    for probe, moved in EXCHANGE_ONLY.items():
+        assert (
+            rows[("horovod", probe)]["bytes_per_step"] == rows[("horovod", moved)]["bytes_per_step"]
+        )
 
 
 @pytest.mark.processes
@@ -141,8 +141,9 @@ def test_progress_and_tables(quick):
         assert f"| {backend}, tiny | unlimited | " in markdown  # the lockstep floor's row
     for name, label in COMPRESSORS.items():
         assert markdown.count(f"| {label} |") == sum(name in n for n in NAMES.values())
-    for probe in ("compute", "compute_sync"):  # the overlap lines
-        assert f"- horovod, tiny, {probe}: unlimited: " in markdown
+    for name in ("topk1", *LATE):  # the overlap lines: each against its exchange-only probe
+        for probe in ("compute", "compute_sync"):
+            assert f"- horovod, tiny, {name}, {probe}: unlimited: " in markdown
     assert "- mwms, tiny: unlimited: " in markdown  # model.fit against the custom loop
     assert "unlimited ×dense" in markdown and "best of" in markdown
     assert "### Lockstep floor" in markdown and "lockstep floor: each process" in data["timing"]

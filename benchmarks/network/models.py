@@ -32,10 +32,12 @@ COMPRESSORS = {
     "topk1_late": "TopK 1% + EF, last bucket a step late",
     "identity_late": "Identity (dense), every bucket a step late",
     "fp16_late": "FP16, every bucket a step late",
-    # overlap probes: the two halves of a TopK 1% step, each alone
+    # overlap probes: a step's two halves, each alone
     "compute": "compute only (local SGD, no exchange)",
     "compute_sync": "compute + lockstep (local SGD, a 1-float all-reduce per step)",
     "exchange_topk1": "TopK 1% exchange only",
+    "exchange_identity": "Identity (dense) exchange only",
+    "exchange_fp16": "FP16 exchange only",
     # MultiWorkerMirroredStrategy: TopK 1% trained by a custom loop instead of model.fit
     "loop_topk1": "TopK 1% + EF, custom loop (strategy.run)",
 }
@@ -45,11 +47,17 @@ LATE = {
     "identity_late": ("identity", "all"),
     "fp16_late": ("fp16", "all"),
 }
+#: exchange-only probes: benchmark name -> the compressor whose payloads it moves
+EXCHANGE_ONLY = {
+    "exchange_topk1": "topk1",
+    "exchange_identity": "identity",
+    "exchange_fp16": "fp16",
+}
 #: names in COMPRESSORS that are probes, not compressors
-PROBES = ("compute", "compute_sync", "exchange_topk1", "loop_topk1")
+PROBES = ("compute", "compute_sync", *EXCHANGE_ONLY, "loop_topk1")
 #: the probes each backend runs
 BACKEND_PROBES = {
-    "horovod": ("compute", "compute_sync", "exchange_topk1"),
+    "horovod": ("compute", "compute_sync", *EXCHANGE_ONLY),
     "mwms": ("compute", "loop_topk1"),
 }
 
@@ -215,8 +223,9 @@ def make_compressor(name: str) -> tfs.Compressor:
 
 
 def exchange_setup(name: str) -> tuple[tfs.Compressor, dict[str, Any]]:
-    """The compressor and the exchange options of a benchmark name (a probe's: TopK 1%)."""
+    """The compressor and the exchange options of a benchmark name (an exchange-only probe's:
+    the compressor whose payloads it moves; another probe's: TopK 1%)."""
     if name in PROBES:
-        name = "topk1"
+        name = EXCHANGE_ONLY.get(name, "topk1")
     base, late = LATE.get(name, (name, "none"))
     return make_compressor(base), {} if late == "none" else {"late_buckets": late}

@@ -8,7 +8,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from benchmarks.network.models import COMPRESSORS
+from benchmarks.network.models import COMPRESSORS, EXCHANGE_ONLY, LATE, PROBES
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -108,31 +108,40 @@ def floor_markdown(rows: list[dict], rates: Sequence[str]) -> str:
     return title + "\n".join(table) + "\n"
 
 
+def exchange_probe(name: str) -> str | None:
+    """The exchange-only probe that moves the payloads of benchmark name ``name`` (a late
+    variant's: its compressor's), or None."""
+    base = LATE.get(name, (name,))[0]
+    return next((probe for probe, moved in EXCHANGE_ONLY.items() if moved == base), None)
+
+
 def overlap_markdown(rows: list[dict], rates: Sequence[str]) -> str:
-    """Per (backend, model) with the probes: the TopK 1% step against the larger of its
-    halves, ``max(compute, exchange only)`` (1.0 would be perfect overlap), with compute only
-    and, when measured, compute in lockstep."""
+    """Per (backend, model, method) with an exchange-only probe for it: the method's step
+    against the larger of its halves, ``max(compute, exchange only)`` (1.0 would be perfect
+    overlap), with compute only and, when measured, compute in lockstep."""
     best = _best_ms(rows)
-    jobs = list(dict.fromkeys((r["backend"], r["model"]) for r in rows))
+    jobs = list(dict.fromkeys((r["backend"], r["model"], r["compressor"]) for r in rows))
     lines = []
-    for backend, model in jobs:
+    for backend, model, name in jobs:
+        exchange_name = exchange_probe(name)
+        if name in PROBES or exchange_name is None:
+            continue
         for probe in ("compute", "compute_sync"):
             cells = []
             for rate in rates:
-                topk, compute, exchange = (
-                    best.get((backend, model, rate, name))
-                    for name in ("topk1", probe, "exchange_topk1")
+                step, compute, exchange = (
+                    best.get((backend, model, rate, n)) for n in (name, probe, exchange_name)
                 )
-                if None not in (topk, compute, exchange):
-                    ratio = topk / max(compute, exchange)
+                if None not in (step, compute, exchange):
+                    ratio = step / max(compute, exchange)
                     cells.append(
-                        f"{rate}: {topk:.1f} / max({compute:.1f}, {exchange:.1f}) = {ratio:.2f}"
+                        f"{rate}: {step:.1f} / max({compute:.1f}, {exchange:.1f}) = {ratio:.2f}"
                     )
             if cells:
-                lines.append(f"- {backend}, {model}, {probe}: " + "; ".join(cells))
+                lines.append(f"- {backend}, {model}, {name}, {probe}: " + "; ".join(cells))
     if not lines:
         return ""
-    head = "\n### Overlap: TopK 1% step / max(compute probe, exchange only), ms\n\n"
+    head = "\n### Overlap: step / max(compute probe, exchange only), ms\n\n"
     return head + "\n".join(lines) + "\n"
 
 

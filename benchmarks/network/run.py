@@ -52,7 +52,7 @@ DEFAULTS = {
         "rates": "1gbit,10gbit,unlimited",
         "compressors": (
             "identity,fp16,bf16,topk1,topk0.1,qsgd4,topk1_late,identity_late,fp16_late,"
-            "compute,compute_sync,exchange_topk1,loop_topk1"
+            "compute,compute_sync,exchange_topk1,exchange_identity,exchange_fp16,loop_topk1"
         ),
         "out": "outputs/network_bench",
     },

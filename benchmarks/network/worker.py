@@ -18,8 +18,9 @@ end to ``--results``. The inner optimizer is ``SGD(--lr, momentum=--momentum)``.
 - horovod probes (for the overlap check: a TopK 1% step against the larger of its halves):
   ``compute`` trains with a local Keras SGD and no exchange at all; ``compute_sync`` does the
   same and then all-reduces one float, so its ranks run in lockstep as every synchronous step
-  does (each waits for the slower one); ``exchange_topk1`` only moves payloads of TopK 1%'s
-  shapes through the same collective (one all-gather per bucket).
+  does (each waits for the slower one); ``exchange_topk1``, ``exchange_identity`` and
+  ``exchange_fp16`` only move payloads of their compressor's shapes and wire dtype through the
+  same collective (one all-gather per bucket for TopK, one all-reduce per bucket for dense).
 - mwms: ``model.fit`` with ``tf_sparsify.SparsifiedOptimizer`` compiled into a model made
   under ``MultiWorkerMirroredStrategy`` (one ``fit`` call of ``--window`` steps per window, on a
   dataset whose global batch, ``--batch`` rows per worker, is sharded over the workers; a
@@ -53,6 +54,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_sparsify as tfs  # noqa: E402
 from benchmarks.network.models import (  # noqa: E402
+    EXCHANGE_ONLY,
     exchange_setup,
     make_model,
     synthetic_batch,
@@ -128,7 +130,7 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
         model = make_model(args.model, args.image_size, SEED)
         compressor, options = exchange_setup(name)
         optimizer = th.DistributedOptimizer(sgd(args), compressor, **options)
-        if name == "exchange_topk1":
+        if name in EXCHANGE_ONLY:
             optimizer.build(model.trainable_variables)
             trainers.append(Trainer(name, one_by_one(exchange_only(optimizer)), optimizer))
             continue
@@ -153,30 +155,42 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
     return hvd.rank(), hvd.size(), trainers, gather
 
 
+def unit_payload(unit, rng: np.random.Generator) -> list[tf.Variable]:
+    """A unit's wire tensors, drawn once: a summable compressor's dense values in its wire
+    dtype (float32 unless it casts), else the values and indices of its ``k`` entries."""
+    compressor, n = unit.compressor, unit.num_elements
+    if compressor.summable:
+        dtype = getattr(compressor, "wire_dtype", tf.float32)
+        return [tf.Variable(tf.cast(rng.standard_normal(n, dtype=np.float32), dtype))]
+    k = compressor.entries_sent(n)
+    return [
+        tf.Variable(rng.standard_normal(k, dtype=np.float32), trainable=False),
+        tf.Variable(rng.integers(0, n, k, dtype=np.int32), trainable=False),
+    ]
+
+
 def exchange_only(optimizer) -> Callable[[], float]:
-    """A step that only moves payloads of the optimizer's plan (values and indices of each
-    unit, one all-gather per bucket, as the pipeline does) through its collective, and counts
-    them in ``bytes_sent``. The payloads are drawn once, before any step, so a step costs the
-    exchange and nothing else."""
-    units = optimizer.units
+    """A step that only moves payloads of the optimizer's plan (:func:`unit_payload`, one
+    all-reduce or all-gather per bucket, as the pipeline does) through its collective, and
+    counts them in ``bytes_sent``. The payloads are drawn once, before any step, so a step
+    costs the exchange and nothing else."""
     rng = np.random.default_rng(SEED)
     payloads: dict[int, list[tf.Variable]] = {}
-    for unit in units:
-        k = unit.compressor.entries_sent(unit.num_elements)
-        payloads.setdefault(unit.bucket, []).extend(
-            [
-                tf.Variable(rng.standard_normal(k, dtype=np.float32), trainable=False),
-                tf.Variable(rng.integers(0, unit.num_elements, k, dtype=np.int32), trainable=False),
-            ]
-        )
+    for unit in optimizer.units:
+        payloads.setdefault(unit.bucket, []).extend(unit_payload(unit, rng))
+    summable = {unit.bucket: unit.compressor.summable for unit in optimizer.units}
 
     @tf.function
     def move() -> tf.Tensor:
         collective = optimizer.collective()
         total = tf.constant(0.0)
         for bucket in sorted(payloads):
-            gathered = collective.all_gather([v.read_value() for v in payloads[bucket]])
-            total += tf.add_n([tf.reduce_sum(tf.cast(g[:, :1], tf.float32)) for g in gathered])
+            tensors = [v.read_value() for v in payloads[bucket]]
+            if summable[bucket]:
+                moved = [t[:1] for t in collective.all_reduce_sum(tensors)]
+            else:
+                moved = [g[:, :1] for g in collective.all_gather(tensors)]
+            total += tf.add_n([tf.reduce_sum(tf.cast(m, tf.float32)) for m in moved])
         optimizer.bytes_sent.assign_add(optimizer.wire_bytes_per_step)
         optimizer.exchange_steps.assign_add(1)
         return total
