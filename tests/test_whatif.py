@@ -135,6 +135,133 @@ def test_step_time_and_predict():
     assert theory.predict is w.predict and theory.crossover_workers is w.crossover_workers
 
 
+# -- the step's timeline ----------------------------------------------------------------------
+TIMELINE = {"comm": [0.2, 0.4], "sizes": [1, 3], "backward_fraction": 0.5}  # compute 1 s
+
+
+@pytest.mark.parametrize(
+    "overlap, late, expected",
+    [
+        # forward 0.5 s; unit 1 ready at 1 - 0.5 * 1/4 = 0.875, unit 0 at 1
+        ("none", "none", 0.1 + 1 + 0.6),
+        ("full", "none", 0.1 + 1),
+        ("backprop", "none", 0.1 + 1 + 0.4 + 0.075),  # unit 1 0.875-1.275, unit 0 1.275-1.675
+        ("backprop", "last", 0.1 + 0.875 + 0.4),  # unit 0 0-0.2, unit 1 0.875-1.275
+        ("none", "last", 0.1 + 1 + 0.4),  # unit 0 0-0.2, unit 1 1-1.4
+        ("full", "last", 0.1 + 1),
+        ("backprop", "all", 0.1 + 1),
+    ],
+)
+def test_timeline_hand_computed(overlap, late, expected):
+    assert w.step_time(1.0, 0.1, overlap=overlap, late_buckets=late, **TIMELINE) == pytest.approx(
+        expected, rel=1e-12
+    )
+
+
+@pytest.mark.parametrize("overlap", w.OVERLAPS)
+@pytest.mark.parametrize("compute", [0.0, 0.3, 1.0, 5.0])
+def test_timeline_identities(overlap, compute):
+    """Nothing late: ``none`` adds the exchange after compute, ``full`` hides it up to compute;
+    every unit late hides it up to compute whatever the overlap; late never makes it slower."""
+    comms, sizes, overhead = [0.3, 0.05, 0.7, 0.15], [2, 7, 1, 5], 0.02
+    total = sum(comms)
+
+    def step(late: str, over: str = overlap) -> float:
+        return w.step_time(compute, overhead, comms, over, late, sizes)
+
+    assert step("none", "none") == pytest.approx(overhead + compute + total, rel=1e-12)
+    assert step("none", "full") == pytest.approx(overhead + max(compute, total), rel=1e-12)
+    assert step("all") == pytest.approx(overhead + max(compute, total), rel=1e-12)
+    assert step("all") <= step("last") <= step("none")
+    assert step("none", "full") <= step("none", "backprop") <= step("none", "none")
+
+
+def test_predict_late_buckets_hand_computed():
+    """Two tensors, 1000 and 3000 entries, fp32 over a 10 kB/s link at P = 2: dense sends 4n
+    bytes, 0.4 s then 1.2 s. Compute 1.2 s: forward 0.4 s, backward 0.8 s; the second tensor
+    is ready at 1.2 - 0.8 / 4 = 1.0 s, the first at 1.2 s."""
+    layers, link = w.Layers(((1000,), (3000,))), cluster(2, bandwidth=1e4)
+    assert w.unit_comms(w.DenseAllReduce(), layers, link) == pytest.approx([0.4, 1.2])
+
+    def step(overlap: str, late: str) -> float:
+        (dense,) = w.predict(
+            [w.DenseAllReduce()], layers, link, 1.2, {"dense": 0.1}, overlap, late_buckets=late
+        )
+        assert dense.comm == pytest.approx(1.6)
+        return dense.step - 0.1
+
+    assert step("none", "none") == pytest.approx(2.8)
+    assert step("full", "none") == step("full", "last") == pytest.approx(1.6)
+    assert step("backprop", "none") == pytest.approx(2.6)  # 1.0-2.2, then 2.2-2.6
+    assert step("backprop", "last") == pytest.approx(2.2)  # first 0-0.4, second 1.0-2.2
+    assert step("none", "last") == pytest.approx(2.4)  # first 0-0.4, second 1.2-2.4
+    for overlap in w.OVERLAPS:
+        assert step(overlap, "all") == pytest.approx(1.6)
+    (early,) = w.predict(
+        [w.DenseAllReduce()], layers, link, 1.2, overlap="backprop", backward_fraction=1.0
+    )
+    assert early.step == pytest.approx(2.5)  # second ready at 1.2 - 1.2 / 4: 0.9-2.1, 2.1-2.5
+
+
+def test_unit_comms_add_up_to_the_model():
+    """With latency each tensor alone pays its rounds: the split keeps the model's total."""
+    link = cluster(8, GBIT, latency=25e-6)
+    for method in [*METHODS, w.Hierarchical(TOPK)]:
+        units = w.unit_comms(method, w.MLP10M, link)
+        assert len(units) == len(w.MLP10M.shapes) and min(units) >= 0
+        assert sum(units) == pytest.approx(w.comm_time(method, w.MLP10M, link), rel=1e-12)
+    assert w.unit_comms(TOPK, w.MLP10M, cluster(1)) == [0.0] * len(w.MLP10M.shapes)
+
+
+@pytest.mark.parametrize("overlap", w.OVERLAPS)
+def test_old_modes_and_all_late_keep_the_whole_model_numbers(overlap):
+    link = cluster(16, GBIT, latency=25e-6)
+    for method in METHODS:
+        comm = w.comm_time(method, w.MLP10M, link)
+        (none,) = w.predict([method], w.MLP10M, link, 0.05, overlap=overlap)
+        (late,) = w.predict([method], w.MLP10M, link, 0.05, overlap=overlap, late_buckets="all")
+        assert late.step == pytest.approx(max(0.05, comm), rel=1e-12)
+        if overlap != "backprop":
+            assert none.step == w.step_time(0.05, 0.0, comm, overlap)  # exactly
+
+
+def test_sweep_passes_the_timeline_on():
+    timeline = {"overlap": "backprop", "backward_fraction": 0.5}
+    for late in w.LATE_BUCKETS:
+        results = w.sweep(
+            METHODS[:3], w.MLP10M, cluster(1), 0.05, [GBIT], [2, 8], late_buckets=late, **timeline
+        )
+        for p in (2, 8):
+            expected = w.predict(
+                METHODS[:3], w.MLP10M, cluster(p, GBIT), 0.05, late_buckets=late, **timeline
+            )
+            assert results[GBIT][p] == expected
+    assert theory.LATE_BUCKETS == w.LATE_BUCKETS == ("none", "last", "all")
+    assert theory.unit_comms is w.unit_comms and "backprop" in theory.OVERLAPS
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"late_buckets": "some"}, "`late_buckets` must be one of .*; got 'some'"),
+        ({"backward_fraction": 0}, "`backward_fraction` .*backward_fraction=0"),
+        ({"backward_fraction": 1.5}, "`backward_fraction` .*backward_fraction=1.5"),
+        ({"backward_fraction": math.nan}, "`backward_fraction` .*backward_fraction=nan"),
+        ({"overlap": "partial"}, "`overlap` must be one of .*; got 'partial'"),
+    ],
+)
+def test_bad_timeline_names_the_argument_and_value(kwargs, expected):
+    with pytest.raises(ValueError, match=expected):
+        w.predict(METHODS, FLAT, cluster(2), 0.1, **kwargs)
+    with pytest.raises(ValueError, match=expected):
+        w.step_time(0.1, 0.0, [0.1, 0.2], **kwargs)
+
+
+def test_step_time_sizes_must_match_the_units():
+    with pytest.raises(ValueError, match="sizes"):
+        w.step_time(0.1, 0.0, [0.1, 0.2], sizes=[1])
+
+
 def test_layers_from_params():
     assert w.Layers.from_params(100).shapes == ((10, 10),)
     assert w.Layers.from_params(10).shapes == ((3, 3), (1,))

@@ -31,11 +31,11 @@ def cli_error(argv: list[str], capsys) -> str:
     return captured.err
 
 
-def step_ms(argv: list[str], capsys) -> str:
-    """The step ms of a single-method table."""
+def step_ms(argv: list[str], capsys, method: str = "dense") -> str:
+    """The step ms of ``method``'s row of the table."""
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    (row,) = [line for line in out.splitlines() if line.startswith("dense ")]
+    (row,) = [line for line in out.splitlines() if line.startswith(f"{method} ")]
     return row.split()[3]
 
 
@@ -57,6 +57,21 @@ def test_cli_nodes_layers_json_and_overheads(tmp_path, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "P = 32 (4 x 8)" in out and "\nhier-topk " in out and "1,611,776 parameters" in out
+
+
+def test_cli_late_buckets(capsys):
+    """The first layer's exchange one step late never slows TopK's step (backprop overlap)."""
+    argv = ["--compute-ms", "55", "--model", "mlp10m", "--workers", "2", "--bandwidth", "1gbit"]
+    argv += ["--overlap", "backprop", "--methods", "dense,topk"]
+    now = float(step_ms([*argv, "--late-buckets", "none"], capsys, "topk"))
+    assert cli.main([*argv, "--late-buckets", "last"]) == 0
+    out = capsys.readouterr().out
+    assert "overlap backprop, late buckets last," in out.splitlines()[0]
+    (row,) = [line for line in out.splitlines() if line.startswith("topk ")]
+    assert float(row.split()[3]) <= now
+    assert cli.main(argv) == 0 and "late buckets" not in capsys.readouterr().out
+    err = cli_error([*argv, "--late-buckets", "some"], capsys)
+    assert "argument --late-buckets" in err and "'some'" in err
 
 
 def test_cli_keras_model_shapes():

@@ -2,8 +2,10 @@
 
 A step is ``compute`` (forward, backward, optimizer) + ``overhead`` (the compressor's own work:
 select, encode, decode; measured, an input) + ``comm`` (the exchange); with ``overlap="full"``
-the step is ``overhead + max(compute, comm)``. The exchange is a sequence of collectives, each
-costing ``c + rounds * alpha + bytes_sent * beta`` on its link.
+the step is ``overhead + max(compute, comm)``; ``overlap="backprop"`` starts each tensor's
+exchange when backprop has made it, and ``late_buckets`` sends the first tensor's (``"last"``)
+or every one (``"all"``) one step late, while the next step computes. The exchange is a
+sequence of collectives, each costing ``c + rounds * alpha + bytes_sent * beta`` on its link.
 
 This module gathers the model's names in one place (``tfs.theory`` re-exports them too); they
 live in:
@@ -16,7 +18,8 @@ live in:
   :class:`TopKAllGather`, :class:`TopKSplitReduce`, :class:`QSGDAllGather`,
   :class:`PowerSGDAllReduce`, :class:`Hierarchical`): payload bytes and collectives.
 - :mod:`tf_sparsify.analysis.whatif_predict`: :func:`predict`, :func:`sweep`,
-  :func:`winner_ranges`, :func:`crossover_workers`.
+  :func:`winner_ranges`, :func:`crossover_workers`, and the step's timeline (:func:`step_time`,
+  :func:`unit_comms`).
 
 The command line, ``python -m tf_sparsify whatif``, is :mod:`tf_sparsify.analysis.whatif_cli`.
 """
@@ -47,7 +50,10 @@ from tf_sparsify.analysis.whatif_network import (
     phase_rounds,
 )
 from tf_sparsify.analysis.whatif_predict import (
+    BACKWARD_FRACTION,
+    LATE_BUCKETS,
     OVERLAPS,
+    Late,
     Overlap,
     Prediction,
     bytes_sent,
@@ -56,12 +62,15 @@ from tf_sparsify.analysis.whatif_predict import (
     predict,
     step_time,
     sweep,
+    unit_comms,
     winner,
     winner_ranges,
 )
 from tf_sparsify.analysis.whatif_shapes import MLP10M, Layers, mlp_layers
 
 __all__ = [
+    "BACKWARD_FRACTION",
+    "LATE_BUCKETS",
     "MAX_INT32_ELEMENTS",
     "MLP10M",
     "OVERLAPS",
@@ -69,6 +78,7 @@ __all__ = [
     "Cluster",
     "DenseAllReduce",
     "Hierarchical",
+    "Late",
     "Layers",
     "Link",
     "Method",
@@ -93,6 +103,7 @@ __all__ = [
     "step_time",
     "sweep",
     "topk_entries",
+    "unit_comms",
     "winner",
     "winner_ranges",
 ]

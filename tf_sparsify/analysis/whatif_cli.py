@@ -127,16 +127,28 @@ def cluster_of(args: argparse.Namespace, nodes: int | None = None) -> Cluster:
     return Cluster(nodes, link, args.gpus_per_node, intra, args.schedule)
 
 
+def _overlap_text(args: argparse.Namespace) -> str:
+    """``overlap X`` of the header line, and ``late buckets Y`` when some are late."""
+    late = f", late buckets {args.late_buckets}" if args.late_buckets != "none" else ""
+    return f"overlap {args.overlap}{late}"
+
+
 def run_once(args: argparse.Namespace, methods: list[Method], layers: Layers) -> None:
     cluster = cluster_of(args)
     predictions = predict(
-        methods, layers, cluster, args.compute_ms / 1e3, args.overhead_ms, args.overlap
+        methods,
+        layers,
+        cluster,
+        args.compute_ms / 1e3,
+        args.overhead_ms,
+        args.overlap,
+        late_buckets=args.late_buckets,
     )
     shape = f" ({cluster.nodes} x {cluster.gpus_per_node})" if cluster.gpus_per_node > 1 else ""
     print(
         f"{layers.num_params:,} parameters, P = {cluster.workers}{shape}, "
         f"{8 * args.bandwidth / 1e9:g} Gbit/s, alpha {1e6 * args.latency:g} us, "
-        f"compute {args.compute_ms:g} ms, overlap {args.overlap}, {args.schedule} schedule"
+        f"compute {args.compute_ms:g} ms, {_overlap_text(args)}, {args.schedule} schedule"
     )
     print(table(predictions))
 
@@ -149,11 +161,19 @@ def run_sweep(args: argparse.Namespace, methods: list[Method], layers: Layers) -
     cluster = cluster_of(args, nodes=1)
     compute = args.compute_ms / 1e3
     results = sweep(
-        methods, layers, cluster, compute, bandwidths, workers, args.overhead_ms, args.overlap
+        methods,
+        layers,
+        cluster,
+        compute,
+        bandwidths,
+        workers,
+        args.overhead_ms,
+        args.overlap,
+        late_buckets=args.late_buckets,
     )
     print(
         f"{layers.num_params:,} parameters, compute {args.compute_ms:g} ms, "
-        f"alpha {1e6 * args.latency:g} us, {g} per node, overlap {args.overlap}"
+        f"alpha {1e6 * args.latency:g} us, {g} per node, {_overlap_text(args)}"
     )
     for name, bandwidth in zip(names, bandwidths, strict=True):
         ranges = winner_ranges(results[bandwidth])

@@ -21,7 +21,7 @@ from tf_sparsify.analysis.whatif_cli_values import (
     parse_size,
 )
 from tf_sparsify.analysis.whatif_network import SCHEDULES
-from tf_sparsify.analysis.whatif_predict import OVERLAPS
+from tf_sparsify.analysis.whatif_predict import LATE_BUCKETS, OVERLAPS
 from tf_sparsify.analysis.whatif_shapes import Layers
 from tf_sparsify.compressors.qsgd import MAX_LEVELS as MAX_QSGD_LEVELS
 
@@ -160,7 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="METHOD=MS,... (may be repeated; each method once)",
     )
-    p.add_argument("--overlap", choices=OVERLAPS, default="none")
+    p.add_argument(
+        "--overlap",
+        choices=OVERLAPS,
+        default="none",
+        help="when the exchange may run: after compute, as backprop makes each tensor, or at once",
+    )
+    p.add_argument(
+        "--late-buckets",
+        choices=LATE_BUCKETS,
+        default="none",
+        help="tensors exchanged one step late, while the next step computes: the first or all",
+    )
     p.add_argument("--sweep", action="store_true", help=f"P = 2..1024 at {SWEEP_BANDWIDTHS}")
     p.add_argument("--sweep-bandwidths", help=f"with --sweep (default: {SWEEP_BANDWIDTHS})")
     p.add_argument("--plot", help=f"with --sweep: PNG path (default: {PLOT})")

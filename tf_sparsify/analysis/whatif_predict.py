@@ -1,9 +1,18 @@
 """The what-if's predictions: each method's step time on a cluster, sweeps over bandwidth and
 worker count, the winners, and the TopK/dense crossover in closed form.
 
-A step is ``compute`` (forward, backward, optimizer) + ``overhead`` (the compressor's own work:
-select, encode, decode; measured, an input) + ``comm`` (the exchange); with ``overlap="full"``
-the step is ``overhead + max(compute, comm)``.
+A step is ``compute`` (forward, backward, optimizer) and ``overhead`` (the compressor's own work:
+select, encode, decode; measured, an input; it never hides) and the exchange on one link queue.
+Each tensor is a unit: its exchange ``c_i`` is the model's :func:`comm_time` split in proportion
+to the tensor's own exchange time (:func:`unit_comms`). Forward takes ``(1 - b) compute``, then
+backward ``b compute`` (``b = backward_fraction``) fills the tensors from the last to the first in
+proportion to their sizes. The queue sends the late units (``late_buckets``: none, the first
+tensor's or all) first from time 0, then the others from the last tensor to the first, each from
+the later of the link free and its earliest start (``overlap``): after the step's compute
+(``none``), when backward has made it ready (``backprop``), or at once (``full``). The step is
+``overhead + max(compute, link free)``: ``overhead + compute + comm`` with ``none``,
+``overhead + max(compute, comm)`` with ``full`` or every unit late. The workers run in lockstep
+with no skew, so the wait for the slowest rank, which a late unit also hides, is not modelled.
 """
 
 from __future__ import annotations
@@ -17,8 +26,13 @@ from tf_sparsify.analysis.whatif_network import Cluster, check_choice, link_time
 from tf_sparsify.analysis.whatif_shapes import Layers
 from tf_sparsify.common.checks import check_int, check_number
 
-Overlap = Literal["none", "full"]
-OVERLAPS = ("none", "full")
+Overlap = Literal["none", "backprop", "full"]
+OVERLAPS = ("none", "backprop", "full")
+Late = Literal["none", "last", "all"]
+#: units exchanged one step late: none, the first tensor's (backprop makes it ready last), all
+LATE_BUCKETS = ("none", "last", "all")
+#: the share of a step's compute that is the backward pass (the rest is the forward pass)
+BACKWARD_FRACTION = 2 / 3
 
 
 def comm_time(method: Method, layers: Layers, cluster: Cluster) -> float:
@@ -47,11 +61,71 @@ class Prediction:
     bytes_sent: float
 
 
-def step_time(compute: float, overhead: float, comm: float, overlap: Overlap = "none") -> float:
-    """``none``: ``compute + overhead + comm``; ``full``: ``overhead + max(compute, comm)``
-    (the compressor runs on the same processor as the model, so only the network hides)."""
+def unit_comms(method: Method, layers: Layers, cluster: Cluster) -> list[float]:
+    """Seconds of each tensor's exchange: :func:`comm_time` of the model split in proportion to
+    each tensor's own exchange time, so that they add up to the model's."""
+    alone = {s: comm_time(method, Layers((s,)), cluster) for s in set(layers.shapes)}
+    times = [alone[s] for s in layers.shapes]
+    total, whole = comm_time(method, layers, cluster), sum(times)
+    return [total * t / whole if whole else total / len(times) for t in times]
+
+
+def _check_timeline(overlap: str, late_buckets: str, backward_fraction: float) -> float:
+    """``backward_fraction`` as a float, once ``overlap`` and ``late_buckets`` are known values."""
     check_choice("overlap", overlap, OVERLAPS)
-    return overhead + (compute + comm if overlap == "none" else max(compute, comm))
+    check_choice("late_buckets", late_buckets, LATE_BUCKETS)
+    return check_number("backward_fraction", backward_fraction, 0, 1, low_open=True)
+
+
+def _ready_times(compute: float, sizes: Sequence[float], backward: float) -> list[float]:
+    """When backprop has made each unit's gradient: ``compute - b compute * sum(sizes[:i]) /
+    sum(sizes)`` (the first unit's at ``compute``, the last's earliest)."""
+    total, before, out = sum(sizes), 0.0, []
+    for size in sizes:
+        out.append(compute - backward * compute * before / total)
+        before += size
+    return out
+
+
+def _link_free(comms: Sequence[float], starts: Sequence[float], late: Sequence[bool]) -> float:
+    """When one link queue has sent every unit: the late ones from 0 in order, then the others
+    from the last to the first, each from the later of its start and the link free."""
+    n, free = len(comms), 0.0
+    order = [i for i in range(n) if late[i]] + [i for i in reversed(range(n)) if not late[i]]
+    for i in order:
+        free = max(0.0 if late[i] else starts[i], free) + comms[i]
+    return free
+
+
+def step_time(
+    compute: float,
+    overhead: float,
+    comm: float | Sequence[float],
+    overlap: Overlap = "none",
+    late_buckets: Late = "none",
+    sizes: Sequence[float] | None = None,
+    backward_fraction: float = BACKWARD_FRACTION,
+) -> float:
+    """``overhead + max(compute, link free)`` for ``comm`` seconds of exchange, or one entry per
+    unit (first layer's first) with their element counts ``sizes`` (None: equal sizes)."""
+    backward = _check_timeline(overlap, late_buckets, backward_fraction)
+    comms = list(comm) if isinstance(comm, Sequence) else [comm]
+    sizes = [1.0] * len(comms) if sizes is None else sizes
+    if not comms or len(sizes) != len(comms):
+        raise ValueError(
+            f"`sizes` must hold one entry per unit of `comm` ({len(comms)}); got {len(sizes)}"
+        )
+    if overlap == "backprop":
+        starts = _ready_times(compute, sizes, backward)
+    else:
+        starts = [compute if overlap == "none" else 0.0] * len(comms)
+    late = [late_buckets == "all" or (late_buckets == "last" and i == 0) for i in range(len(comms))]
+    return overhead + max(compute, _link_free(comms, starts, late))
+
+
+def _one_unit(overlap: str, late_buckets: str) -> bool:
+    """Whether every unit starts together, so that only the whole exchange matters."""
+    return late_buckets == "all" or overlap == "full" or (overlap, late_buckets) == ("none",) * 2
 
 
 def predict(
@@ -61,10 +135,15 @@ def predict(
     compute: float,
     overheads: Mapping[str, float] | None = None,
     overlap: Overlap = "none",
+    *,
+    late_buckets: Late = "none",
+    backward_fraction: float = BACKWARD_FRACTION,
 ) -> list[Prediction]:
     """Predicted step of each method (in order) from ``compute`` seconds per step and each
     method's measured ``overheads[name]`` seconds (0 where absent)."""
     compute = check_number("compute", compute, low=0)
+    _check_timeline(overlap, late_buckets, backward_fraction)
+    sizes = None if _one_unit(overlap, late_buckets) else layers.sizes
     overheads = dict(overheads or {})
     unknown = set(overheads) - {m.name for m in methods}
     if unknown:
@@ -73,7 +152,8 @@ def predict(
     for method in methods:
         extra = check_number(f"overheads[{method.name!r}]", overheads.get(method.name, 0.0), low=0)
         comm = comm_time(method, layers, cluster)
-        step = step_time(compute, extra, comm, overlap)
+        comms = comm if sizes is None else unit_comms(method, layers, cluster)
+        step = step_time(compute, extra, comms, overlap, late_buckets, sizes, backward_fraction)
         sent = bytes_sent(method, layers, cluster)
         out.append(Prediction(method.name, compute, extra, comm, step, sent))
     return out
@@ -111,6 +191,9 @@ def sweep(
     workers: Sequence[int],
     overheads: Mapping[str, float] | None = None,
     overlap: Overlap = "none",
+    *,
+    late_buckets: Late = "none",
+    backward_fraction: float = BACKWARD_FRACTION,
 ) -> dict[float, dict[int, list[Prediction]]]:
     """Predictions for each inter-node bandwidth (bytes/s) and worker count (a multiple of
     ``cluster.gpus_per_node``); everything else comes from ``cluster``."""
@@ -123,7 +206,16 @@ def sweep(
             if check_int("workers", p) % g:
                 raise ValueError(f"`workers` must be multiples of gpus_per_node={g}; got {p}")
             sized = replace(cluster, nodes=p // g, inter=link)
-            out[bandwidth][p] = predict(methods, layers, sized, compute, overheads, overlap)
+            out[bandwidth][p] = predict(
+                methods,
+                layers,
+                sized,
+                compute,
+                overheads,
+                overlap,
+                late_buckets=late_buckets,
+                backward_fraction=backward_fraction,
+            )
     return out
 
 
