@@ -358,13 +358,36 @@ def test_restore_on_rank0_then_broadcast_does_not_hang(mismatch):
         "keras_gathered_rank0",
         "exchange_gathered_every_rank",
         "exchange_gathered_rank0",
+        "keras_late_every_rank",
+        "keras_late_rank0",
     ],
 )
 def test_one_checkpoint_by_rank0_restores_every_rank_exactly(restart, case):
-    """After gather_error_memory, rank 0's checkpoint holds both ranks' residuals: restored on
-    every rank, or on rank 0 and handed out by the broadcast, continuing equals not stopping."""
+    """After gather_error_memory, rank 0's checkpoint holds both ranks' residuals (and, with
+    ``late_buckets``, both ranks' gradients in flight at the save): restored on every rank, or
+    on rank 0 and handed out by the broadcast, continuing equals not stopping."""
     for record in _passed(restart, case).values():
         assert record["max_difference"] == 0.0
+
+
+def test_the_broadcast_callback_leaves_each_ranks_gradients_in_flight(restart):
+    for record in _passed(restart, "broadcast_keeps_in_flight").values():
+        assert record == {**record, "in_flight_kept": True, "weights_from_rank0": True}
+
+
+@pytest.mark.parametrize("case", ["keras_late_every_rank", "keras_late_rank0"])
+def test_the_late_restart_saves_each_ranks_own_gradient_in_flight(restart, case):
+    """The late-bucket restart is not vacuous: its checkpoint is written inside ``fit`` (before
+    fit's end applies the update in flight) with a non-zero gradient in flight on each rank for
+    every variable (the model is one bucket, the last), and the ranks' differ, so a rank
+    restored with nothing in flight or with another rank's would not continue exactly. The
+    resumed run took as many optimizer steps (4 + 4, and the one that applies what is in flight
+    when ``fit`` ends) as the uninterrupted one."""
+    records = _passed(restart, case)
+    assert all(r["in_flight_variables"] == 4 for r in records.values())
+    assert all(r["in_flight_saved"] > 0 for r in records.values())
+    assert not records[0]["same_in_flight_as_rank1"] and records[1]["same_in_flight_as_rank1"]
+    assert all(r["iterations"] == 9 for r in records.values())
 
 
 def test_a_keras_file_says_whose_error_memory_it_holds(restart):

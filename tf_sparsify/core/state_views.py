@@ -35,6 +35,12 @@ class StateViews:
         return list(self._state.momenta)
 
     @property
+    def in_flight(self) -> list:
+        """The gradient in flight of each variable of a late bucket (``late_buckets``), or
+        ``None``."""
+        return list(self._state.in_flight)
+
+    @property
     def exchange_steps(self):
         """The number of exchanges done (it keys random choices)."""
         return self._state.step

@@ -18,10 +18,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     is first traced, inside the first batch. So at train begin this callback builds the
     optimizer on the model's trainable variables itself, then broadcasts everything before
     the first step. A model not built by then (subclassed, no input shape) is broadcast after
-    the first batch instead. Each rank's residuals and momentum buffers (tf_sparsify error
-    memory) are its own and are not broadcast; when the root alone restored a checkpoint
-    holding every rank's (:func:`~tf_sparsify.horovod.gather_error_memory`), each rank gets
-    its own row from it.
+    the first batch instead. Each rank's residuals, momentum buffers and gradients in flight
+    (tf_sparsify error memory, ``late_buckets``) are its own and are not broadcast; when the
+    root alone restored a checkpoint holding every rank's
+    (:func:`~tf_sparsify.horovod.gather_error_memory`), each rank gets its own row from it.
     """
 
     def __init__(self, root_rank: int = 0):
@@ -67,11 +67,12 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 
 def _shared(optimizer) -> list:
-    """The optimizer's variables without the per-rank error memory."""
+    """The optimizer's variables without the per-rank error memory and gradients in flight."""
     sparsified = find_sparsified(optimizer)
     own = set()
     if sparsified is not None:
-        own = {id(v) for v in sparsified.residuals + sparsified.momenta if v is not None}
+        mine = sparsified.residuals + sparsified.momenta + sparsified.in_flight
+        own = {id(v) for v in mine if v is not None}
     return [v for v in optimizer.variables if id(v) not in own]
 
 
