@@ -3,6 +3,8 @@ so no gradient is lost (:mod:`tf_sparsify.core.late`)."""
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from tf_sparsify.keras.wrapped import find_sparsified
 
 
@@ -12,4 +14,5 @@ def apply_at_fit_end(model) -> None:
     optimizer = find_sparsified(getattr(model, "optimizer", None))
     if optimizer is None or optimizer.pipeline.options.late_buckets == "none":
         return
-    model.distribute_strategy.run(optimizer.apply_in_flight)  # eagerly: once per fit
+    strategy = model.distribute_strategy
+    tf.function(lambda: strategy.run(optimizer.apply_in_flight))()  # traced: once per fit
