@@ -76,7 +76,10 @@ COMPRESSORS = {
     "terngrad": ("TernGrad", lambda: tfs.TernGrad(), 1.0),
     "sign": ("ScaledSign + EF", lambda: tfs.ScaledSign(), 1.0),
     "fp16": ("FP16", lambda: tfs.FP16(), 1.0),
+    "topk1-late": ("TopK 1% + EF, last late", lambda: tfs.TopK(ratio=0.01), 1.0),
 }
+#: name -> the SparsifiedOptimizer options it adds
+OPTIONS = {"topk1-late": {"late_buckets": "last"}}
 DEFAULT = "dense,topk1,topk0.1,topk0.1-bf16,qsgd4,randomk10"
 
 
@@ -158,7 +161,7 @@ def train(name: str, seed: int, data: tuple, strategy, args: argparse.Namespace)
         )
         optimizer = keras.optimizers.SGD(args.lr * lr_factor, momentum=0.9)
         if make is not None:
-            optimizer = tfs.SparsifiedOptimizer(optimizer, make())
+            optimizer = tfs.SparsifiedOptimizer(optimizer, make(), **OPTIONS.get(name, {}))
         model.compile(
             optimizer,
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
