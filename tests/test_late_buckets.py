@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import tf_sparsify as tfs
 from tests.conftest import run_python
+from tests.embedding_model import TARGETS, TOKENS, embedding_model
 from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.distribute import DelayedGradients, ServerOptimizer
 from tf_sparsify.testing import numpy_reference as npref
@@ -130,6 +131,31 @@ def test_only_the_last_bucket_backprop_fills_waits_a_step():
     assert optimizer._state.late == [True, False, False, False]
     np.testing.assert_array_equal(after[0], before[0])  # its first update is in flight
     assert all(not np.array_equal(a, b) for a, b in zip(after[1:], before[1:], strict=True))
+
+
+def embedding_step(late_buckets: str) -> tuple[list[np.ndarray], int]:
+    """Weights and bytes sent after one ``train_on_batch`` of the embedding model, TopK 25%."""
+    model = embedding_model()
+    optimizer = tfs.SparsifiedOptimizer(
+        keras.optimizers.SGD(0.5), tfs.TopK(ratio=0.25), late_buckets=late_buckets
+    )
+    model.compile(optimizer, "mse", jit_compile=False)
+    model.train_on_batch(TOKENS[:8], TARGETS[:8])
+    return model.get_weights(), int(optimizer.bytes_sent.numpy())
+
+
+def test_an_embeddings_rows_travel_now_as_rows():
+    """A late variable whose gradient is ``IndexedSlices`` travels in the step, as rows (an
+    in-flight buffer would hold it dense: TopK of the whole table): the first step updates the
+    embedding as synchronous training does, the dense head not yet, and sends what it sends."""
+    (embedding, *head), sent = embedding_step("all")
+    (want_embedding, *want_head), want_sent = embedding_step("none")
+    np.testing.assert_array_equal(embedding, want_embedding)
+    initial = embedding_model().get_weights()[1:]
+    for h, start, moved in zip(head, initial, want_head, strict=True):
+        np.testing.assert_array_equal(h, start)
+        assert np.any(moved != start)
+    assert sent == want_sent
 
 
 def test_restore_then_continue_equals_not_stopping(tmp_path):

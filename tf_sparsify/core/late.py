@@ -38,6 +38,17 @@ def late_variables(units: Sequence[Unit], num_variables: int, mode: str) -> list
     return flags
 
 
+def late_in_step(late: Sequence[bool], grads: Sequence) -> list[bool]:
+    """The variables that travel late in a step: the late ones, but for a gradient that is
+    ``tf.IndexedSlices`` (an embedding's rows), which travels in its step, as rows. An
+    in-flight buffer would hold it dense and send TopK of the whole table; its buffer keeps
+    what it holds (nothing, unless an earlier trace sent that variable dense) for the flush."""
+    return [
+        is_late and not isinstance(g, tf.IndexedSlices)
+        for g, is_late in zip(grads, late, strict=True)
+    ]
+
+
 def split(grads: Sequence, late: Sequence[bool]) -> tuple[list, list]:
     """``(late gradients, current gradients)``: each list keeps its own variables' gradients
     and ``None`` for the other's."""

@@ -277,7 +277,7 @@ class CompressionState:
             None if v is None else tf.identity(v)
             for v in replica_values.current_values(self.in_flight)
         ]
-        late_grads, now = late.split(grads, self.late)
+        late_grads, now = late.split(grads, late.late_in_step(self.late, grads))
         sent = [a if g is not None else None for a, g in zip(arrived, late_grads, strict=True)]
         computed_in = dataclasses.replace(memory, iteration=self.step - 1)
         parts = [(sent, computed_in), (now, memory)]
