@@ -26,7 +26,14 @@ import pytest
 from benchmarks.network import report, run
 from benchmarks.network.affinity import local_rank, rank_cores
 from benchmarks.network.jobs import JobFailed, run_job
-from benchmarks.network.models import BACKEND_PROBES, COMPRESSORS, EXCHANGE_ONLY, LATE, PROBES
+from benchmarks.network.models import (
+    BACKEND_PROBES,
+    COMPRESSORS,
+    EXCHANGE_ONLY,
+    LATE,
+    PROBES,
+    exchange_setup,
+)
 from benchmarks.network.netns import PRETEND_NO_ROOT_ENV, shaped_namespace, unavailable_reason
 from benchmarks.network.steps import lockstep_floor, slowest_pace
 from benchmarks.network.tasks import TASKS
@@ -257,6 +264,8 @@ def test_bad_arguments_are_rejected(capsys):
         (["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
         (["--momentum", "-0.5"], "--momentum must be in [0, 1), got -0.5"),
         (["--mode", "accuracy", "--momentum", "0.9"], "--momentum is for --mode throughput"),
+        (["--bucket-bytes", "0"], "--bucket-bytes is a positive size for --mode throughput"),
+        (["--mode", "accuracy", "--bucket-bytes", "4096"], "--bucket-bytes is a positive size"),
     ):
         with pytest.raises(SystemExit):
             run.parse_args(argv)
@@ -264,6 +273,16 @@ def test_bad_arguments_are_rejected(capsys):
     assert run.parse_args(["--momentum", "0.9"]).momentum == 0.9
     with pytest.raises(SystemExit):
         run.parse_args(["--mode", "accuracy", "--rates", "1gbit,10gbit"])
+
+
+def test_exchange_setup_gives_the_late_mode_and_the_bucket_size():
+    assert exchange_setup("topk1_late", 2 << 20)[1] == {
+        "bucket_bytes": 2 << 20,
+        "late_buckets": "last",
+    }
+    assert exchange_setup("identity_late")[1] == {"late_buckets": "all"}
+    compressor, options = exchange_setup("exchange_fp16", 4096)
+    assert type(compressor).__name__ == "FP16" and options == {"bucket_bytes": 4096}
 
 
 def _namespaces() -> str:

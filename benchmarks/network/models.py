@@ -222,10 +222,16 @@ def make_compressor(name: str) -> tfs.Compressor:
     return factories[name]()
 
 
-def exchange_setup(name: str) -> tuple[tfs.Compressor, dict[str, Any]]:
+def exchange_setup(
+    name: str, bucket_bytes: int | None = None
+) -> tuple[tfs.Compressor, dict[str, Any]]:
     """The compressor and the exchange options of a benchmark name (an exchange-only probe's:
-    the compressor whose payloads it moves; another probe's: TopK 1%)."""
+    the compressor whose payloads it moves; another probe's: TopK 1%), with ``bucket_bytes``
+    when given."""
     if name in PROBES:
         name = EXCHANGE_ONLY.get(name, "topk1")
     base, late = LATE.get(name, (name, "none"))
-    return make_compressor(base), {} if late == "none" else {"late_buckets": late}
+    options: dict[str, Any] = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    if late != "none":
+        options["late_buckets"] = late
+    return make_compressor(base), options

@@ -101,6 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="throughput: the inner SGD's momentum, in [0, 1) (default 0: plain SGD)",
     )
     p.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=None,
+        help="throughput: every compressor's bucket_bytes (default: the library's)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -160,6 +166,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error(
             f"--momentum is for --mode throughput (a task picks its optimizer), got {args.momentum}"
         )
+    if args.bucket_bytes is not None and (args.mode == "accuracy" or args.bucket_bytes < 1):
+        p.error(f"--bucket-bytes is a positive size for --mode throughput, got {args.bucket_bytes}")
     counts = (args.np, args.rounds, args.window, args.warmup, args.epochs, args.batch)
     if min(c for c in counts if c is not None) < 1:
         p.error("--np, --rounds, --window, --warmup, --epochs and --batch must be >= 1")
@@ -218,6 +226,7 @@ def throughput_jobs(args: argparse.Namespace, shaped: bool, tmp: str, rows: list
             *("--compressors", ",".join(names), "--batch", str(batch)),
             *("--image-size", str(args.image_size), "--warmup", str(args.warmup)),
             *("--momentum", str(args.momentum)),
+            *(() if args.bucket_bytes is None else ("--bucket-bytes", str(args.bucket_bytes))),
             *("--rounds", str(args.rounds), "--window", str(args.window)),
             *("--threads", str(args.threads), "--timeout", str(args.timeout)),
         ]

@@ -128,7 +128,7 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
     trainers = []
     for name in args.compressors.split(","):
         model = make_model(args.model, args.image_size, SEED)
-        compressor, options = exchange_setup(name)
+        compressor, options = exchange_setup(name, args.bucket_bytes)
         optimizer = th.DistributedOptimizer(sgd(args), compressor, **options)
         if name in EXCHANGE_ONLY:
             optimizer.build(model.trainable_variables)
@@ -209,7 +209,7 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Ga
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
     trainers = []
     for name in args.compressors.split(","):
-        compressor, options = exchange_setup(name)
+        compressor, options = exchange_setup(name, args.bucket_bytes)
         with strategy.scope():
             model = make_model(args.model, args.image_size, SEED)
             optimizer = tfs.SparsifiedOptimizer(sgd(args), compressor, **options)
@@ -340,6 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.0, help="the inner SGD's momentum")
+    p.add_argument("--bucket-bytes", type=int, default=None, help="the exchange's bucket_bytes")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--window", type=int, default=10)
