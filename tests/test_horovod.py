@@ -8,8 +8,10 @@ metric-averaging callbacks), ``restart.py`` (one checkpoint by rank 0 restores e
 ``sparse_rows.py`` (IndexedSlices) and ``mismatch.py`` (ranks configured differently fail at
 the first step, fast). Then ``horovod_workers/hierarchy.py`` (the hierarchical exchange on 4
 ranks as 2 "nodes" of 2: updates, residuals and bytes against a hand computation,
-conservation, Identity, bad input, mismatches), the two examples (TopK + EF converges on
-digits, under ``model.fit`` and in a custom loop) and the elastic jobs. The workers print one
+conservation, Identity, bad input, mismatches), ``horovod_workers/late_resume.py`` (fresh
+processes resume from the checkpoint ``restart.py`` wrote with gradients in flight), the two
+examples (TopK + EF converges on digits, under ``model.fit`` and in a custom loop) and the
+elastic jobs. The workers print one
 ``RESULT {json}`` line per check and rank, naming their worker; these tests assert on them.
 Nothing is skipped:
 ``make test`` builds Horovod first, and a missing Horovod fails with a message that says how
@@ -368,6 +370,21 @@ def test_one_checkpoint_by_rank0_restores_every_rank_exactly(restart, case):
     on rank 0 and handed out by the broadcast, continuing equals not stopping."""
     for record in _passed(restart, case).values():
         assert record["max_difference"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def late_resumed(restart) -> dict[str, dict[int, dict]]:
+    folder = _passed(restart, "keras_late_every_rank")[0]["folder"]
+    return _launch(os.path.join(WORKERS, "late_resume.py"), folder)
+
+
+def test_fresh_processes_resume_the_gradients_in_flight_exactly(late_resumed):
+    """A new launch (fresh processes) restores the checkpoint written inside ``fit`` with a
+    gradient in flight on each rank, trains the last epoch and ends bit for bit where the run
+    that never stopped ended, after as many steps (4 + 4, and the one that applies what is in
+    flight)."""
+    for record in _passed(late_resumed, "keras_late_fresh_processes").values():
+        assert (record["max_difference"], record["iterations"]) == (0.0, 9)
 
 
 def test_the_broadcast_callback_leaves_each_ranks_gradients_in_flight(restart):

@@ -100,6 +100,7 @@ def late_straight() -> tuple[keras.Model, SaveInFlight]:
     model, _ = model_and_optimizer("last")
     save = SaveInFlight(os.path.join(FOLDER, "keras_late"))
     fit(model, 2, [save])
+    np.savez(os.path.join(FOLDER, f"keras_late_straight_{RANK}.npz"), *model.get_weights())
     return model, save
 
 
@@ -125,6 +126,7 @@ def keras_late_restart(restore_on: str) -> dict:
             np.array_equal(a, b) for a, b in zip(save.in_flight, saved, strict=True)
         ),
         "iterations": int(optimizer.iterations.numpy()),
+        "folder": FOLDER,  # the checkpoint and the straight run's weights, for late_resume.py
     }
 
 
