@@ -18,8 +18,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     is first traced, inside the first batch. So at train begin this callback builds the
     optimizer on the model's trainable variables itself, then broadcasts everything before
     the first step. A model not built by then (subclassed, no input shape) is broadcast after
-    the first batch instead. Each rank's residuals, momentum buffers and gradients in flight
-    (tf_sparsify error memory, ``late_buckets``) are its own and are not broadcast; when the
+    the first batch instead. Each rank's residuals, momentum buffers, gradients in flight
+    (``late_buckets``) and diagnostics are its own and are not broadcast; when the
     root alone restored a checkpoint holding every rank's
     (:func:`~tf_sparsify.horovod.gather_error_memory`), each rank gets its own row from it.
     """
@@ -67,12 +67,10 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 
 def _shared(optimizer) -> list:
-    """The optimizer's variables without the per-rank error memory and gradients in flight."""
+    """The optimizer's variables without those each rank holds its own of (residuals, momenta,
+    gradients in flight, diagnostics: what :func:`scatter_error_memory` hands out per rank)."""
     sparsified = find_sparsified(optimizer)
-    own = set()
-    if sparsified is not None:
-        mine = sparsified.residuals + sparsified.momenta + sparsified.in_flight
-        own = {id(v) for v in mine if v is not None}
+    own = {} if sparsified is None else sparsified.exchange_checkpoint.per_replica_keys()
     return [v for v in optimizer.variables if id(v) not in own]
 
 
