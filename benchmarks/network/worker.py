@@ -161,7 +161,8 @@ def unit_payload(unit, rng: np.random.Generator) -> list[tf.Variable]:
     compressor, n = unit.compressor, unit.num_elements
     if compressor.summable:
         dtype = getattr(compressor, "wire_dtype", tf.float32)
-        return [tf.Variable(tf.cast(rng.standard_normal(n, dtype=np.float32), dtype))]
+        values = tf.cast(rng.standard_normal(n, dtype=np.float32), dtype)
+        return [tf.Variable(values, trainable=False)]
     k = compressor.entries_sent(n)
     return [
         tf.Variable(rng.standard_normal(k, dtype=np.float32), trainable=False),
