@@ -2,6 +2,7 @@
 
 from tf_sparsify import compat, distribute
 from tf_sparsify.analysis import theory
+from tf_sparsify.common.autograph import leave_unconverted
 from tf_sparsify.compressors import (
     BF16,
     FP16,
@@ -30,6 +31,7 @@ from tf_sparsify.keras import (
 __version__ = "0.1.0"
 
 compat.install()
+leave_unconverted()
 
 __all__ = [
     "BF16",

@@ -1,1 +1,2 @@
-"""What every layer shares and nothing else: argument checks and the dtype lists."""
+"""What every layer shares and nothing else: argument checks, the dtype lists, and
+AutoGraph's rule for the package."""
