@@ -74,6 +74,39 @@ def test_cli_late_buckets(capsys):
     assert "argument --late-buckets" in err and "'some'" in err
 
 
+def test_cli_auto_says_what_each_tensor_would_be_sent_with(capsys):
+    """mlp10m on 1 Gbit/s: the big kernels are compressed, the first layer's most (its exchange
+    starts when the compute ends), the biases and the small last kernel stay dense; the rows
+    add up to the model, and the step is the choice's."""
+    argv = ["--compute-ms", "55", "--model", "mlp10m", "--workers", "2", "--bandwidth", "1gbit"]
+    argv += ["--overhead-ms", "fp16=1,topk=3", "--auto"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-5:-1]}
+    assert rows["dense"][1:] == ["5", "26,634", "1,", "3,", "5-7"]
+    assert rows["topk1%"][1:] == ["2", "8,388,608", "2,", "4"]
+    assert rows["topk0.1%"][1:] == ["1", "1,605,632", "0"]
+    assert out.splitlines()[-1].startswith("auto: 58.1 ms/step (compute 55.0, compression 3.0)")
+    assert cli.main([*argv, "--auto-ratios", "0.05", "--late-buckets", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "topk0.1%" not in out and out.splitlines()[-1].endswith("hides under compute")
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--auto", "--sweep"], "--auto chooses for one cluster"),
+        (["--auto-ratios", "0.01"], "--auto-ratios applies only with --auto"),
+        (["--auto", "--auto-ratios", "0.01,2"], "argument --auto-ratios: '0.01,2'"),
+        (["--auto", "--auto-ratios", "0.01,0.01"], "argument --auto-ratios: '0.01,0.01'"),
+        (["--auto", "--auto-ratios", ","], "argument --auto-ratios: ','"),
+    ],
+)
+def test_cli_auto_bad_options(extra, expected, capsys):
+    workers = [] if "--sweep" in extra else ["--workers", "2"]
+    assert expected in cli_error([*BASE, *workers, *extra], capsys)
+
+
 def test_cli_keras_model_shapes():
     layers = cli.keras_layers("mobilenetv2")
     assert len(layers.shapes) == 158 and layers.num_params == 3_504_872

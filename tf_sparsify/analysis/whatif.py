@@ -10,14 +10,14 @@ sequence of collectives, each costing ``c + rounds * alpha + bytes_sent * beta``
 This module gathers the model's names in one place (``tfs.theory`` re-exports them too); they
 live in:
 
-- :mod:`tf_sparsify.analysis.whatif_network`: :class:`Link`, :class:`Cluster`, the collectives
+- :mod:`tf_sparsify.step_model.network`: :class:`Link`, :class:`Cluster`, the collectives
   (:func:`all_reduce`, :func:`all_gather`, :func:`all_to_all`) and :func:`link_time`.
-- :mod:`tf_sparsify.analysis.whatif_shapes`: :class:`Layers` (a model's tensor shapes),
+- :mod:`tf_sparsify.step_model.shapes`: :class:`Layers` (a model's tensor shapes),
   :func:`mlp_layers`, :data:`MLP10M`.
-- :mod:`tf_sparsify.analysis.whatif_methods`: the exchange methods (:class:`DenseAllReduce`,
+- :mod:`tf_sparsify.step_model.methods`: the exchange methods (:class:`DenseAllReduce`,
   :class:`TopKAllGather`, :class:`TopKSplitReduce`, :class:`QSGDAllGather`,
   :class:`PowerSGDAllReduce`, :class:`Hierarchical`): payload bytes and collectives.
-- :mod:`tf_sparsify.analysis.whatif_predict`: :func:`predict`, :func:`sweep`,
+- :mod:`tf_sparsify.step_model.predict`: :func:`predict`, :func:`sweep`,
   :func:`winner_ranges`, :func:`crossover_workers`, and the step's timeline (:func:`step_time`,
   :func:`unit_comms`).
 
@@ -26,7 +26,7 @@ The command line, ``python -m tf_sparsify whatif``, is :mod:`tf_sparsify.analysi
 
 from __future__ import annotations
 
-from tf_sparsify.analysis.whatif_methods import (
+from tf_sparsify.step_model.methods import (
     MAX_INT32_ELEMENTS,
     DenseAllReduce,
     Hierarchical,
@@ -37,7 +37,7 @@ from tf_sparsify.analysis.whatif_methods import (
     TopKSplitReduce,
     topk_entries,
 )
-from tf_sparsify.analysis.whatif_network import (
+from tf_sparsify.step_model.network import (
     SCHEDULES,
     Cluster,
     Link,
@@ -49,7 +49,7 @@ from tf_sparsify.analysis.whatif_network import (
     link_time,
     phase_rounds,
 )
-from tf_sparsify.analysis.whatif_predict import (
+from tf_sparsify.step_model.predict import (
     BACKWARD_FRACTION,
     LATE_BUCKETS,
     OVERLAPS,
@@ -66,7 +66,7 @@ from tf_sparsify.analysis.whatif_predict import (
     winner,
     winner_ranges,
 )
-from tf_sparsify.analysis.whatif_shapes import MLP10M, Layers, mlp_layers
+from tf_sparsify.step_model.shapes import MLP10M, Layers, mlp_layers
 
 __all__ = [
     "BACKWARD_FRACTION",

@@ -20,6 +20,7 @@ import argparse
 import math
 from collections.abc import Sequence
 
+from tf_sparsify.analysis.whatif_cli_auto import run_auto
 from tf_sparsify.analysis.whatif_cli_options import (
     FLAT_METHODS,
     KERAS_MODELS,
@@ -49,10 +50,10 @@ from tf_sparsify.analysis.whatif_cli_values import (
     parse_overheads,
     parse_size,
 )
-from tf_sparsify.analysis.whatif_methods import Method
-from tf_sparsify.analysis.whatif_network import Cluster, Link
-from tf_sparsify.analysis.whatif_predict import predict, sweep, winner_ranges
-from tf_sparsify.analysis.whatif_shapes import MLP10M, Layers
+from tf_sparsify.step_model.methods import Method
+from tf_sparsify.step_model.network import Cluster, Link
+from tf_sparsify.step_model.predict import predict, sweep, winner_ranges
+from tf_sparsify.step_model.shapes import MLP10M, Layers
 
 __all__ = [
     "FLAT_METHODS",
@@ -151,6 +152,8 @@ def run_once(args: argparse.Namespace, methods: list[Method], layers: Layers) ->
         f"compute {args.compute_ms:g} ms, {_overlap_text(args)}, {args.schedule} schedule"
     )
     print(table(predictions))
+    if args.auto:
+        print(run_auto(args, layers, cluster))
 
 
 def run_sweep(args: argparse.Namespace, methods: list[Method], layers: Layers) -> None:

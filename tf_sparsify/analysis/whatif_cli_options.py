@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from tf_sparsify.analysis import whatif_methods as methods
+from tf_sparsify.analysis.whatif_cli_auto import AUTO_RATIOS, auto_ratios
 from tf_sparsify.analysis.whatif_cli_values import (
     MAX_PARAMS,
     integer,
@@ -20,10 +20,11 @@ from tf_sparsify.analysis.whatif_cli_values import (
     parse_duration,
     parse_size,
 )
-from tf_sparsify.analysis.whatif_network import SCHEDULES
-from tf_sparsify.analysis.whatif_predict import LATE_BUCKETS, OVERLAPS
-from tf_sparsify.analysis.whatif_shapes import Layers
 from tf_sparsify.compressors.qsgd import MAX_LEVELS as MAX_QSGD_LEVELS
+from tf_sparsify.step_model import methods
+from tf_sparsify.step_model.network import SCHEDULES
+from tf_sparsify.step_model.predict import LATE_BUCKETS, OVERLAPS
+from tf_sparsify.step_model.shapes import Layers
 
 #: the first line of ``--help``
 DESCRIPTION = (
@@ -172,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="tensors exchanged one step late, while the next step computes: the first or all",
     )
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="also what Auto would send each tensor with: dense, FP16 or TopK (--auto-ratios)",
+    )
+    p.add_argument("--auto-ratios", type=auto_ratios, help=f"with --auto (default: {AUTO_RATIOS})")
     p.add_argument("--sweep", action="store_true", help=f"P = 2..1024 at {SWEEP_BANDWIDTHS}")
     p.add_argument("--sweep-bandwidths", help=f"with --sweep (default: {SWEEP_BANDWIDTHS})")
     p.add_argument("--plot", help=f"with --sweep: PNG path (default: {PLOT})")
@@ -184,6 +191,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     ``args.bandwidth_list`` (``--sweep``) set."""
     _check_cluster(p, args)
     _check_methods(p, args)
+    _check_auto(p, args)
     if args.sweep:
         _check_sweep_bandwidths(p, args)
         args.plot = PLOT if args.plot is None else args.plot
@@ -274,6 +282,16 @@ def _check_methods(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
         if name not in names:
             p.error(f"--overhead-ms: {name!r} is not among --methods {args.methods!r}")
     args.overhead_ms = overheads
+
+
+def _check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--auto`` predicts one cluster (not ``--sweep``); ``--auto-ratios`` only with it; sets
+    ``args.auto_ratio_list``."""
+    if args.auto and args.sweep:
+        p.error("--auto chooses for one cluster: drop --sweep, or --auto")
+    if args.auto_ratios is not None and not args.auto:
+        p.error("--auto-ratios applies only with --auto")
+    args.auto_ratio_list = args.auto_ratios or auto_ratios(AUTO_RATIOS)
 
 
 def _check_sweep_bandwidths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from tf_sparsify.analysis.whatif_predict import winner_ranges
+from tf_sparsify.step_model.predict import winner_ranges
 
 
 def plot_sweep(names: Sequence[str], bandwidths: Sequence[float], results: dict, path: str) -> None:

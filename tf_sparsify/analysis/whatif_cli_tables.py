@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tf_sparsify.analysis.whatif_predict import Prediction, winner
+from tf_sparsify.step_model.predict import Prediction, winner
 
 
 def columns(rows: Sequence[Sequence[str]], widths: Sequence[int], left: int = 0) -> list[str]:

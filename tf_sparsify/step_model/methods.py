@@ -22,7 +22,7 @@ Methods (``n`` parameters, ``k`` entries sent, ``v`` value and ``i`` index bytes
   the inter-node link, each local rank carrying a shard, so a node's link carries one payload
   and the ``P`` of the compressed exchange is the number of nodes.
 
-The costs of the collectives are in :mod:`tf_sparsify.analysis.whatif_network`.
+The costs of the collectives are in :mod:`tf_sparsify.step_model.network`.
 """
 
 from __future__ import annotations
@@ -31,19 +31,19 @@ import math
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from tf_sparsify.analysis.whatif_network import (
+from tf_sparsify.common.checks import check_number
+from tf_sparsify.compressors.powersgd import PowerSGD
+from tf_sparsify.compressors.qsgd import QSGD
+from tf_sparsify.compressors.topk import TopK
+from tf_sparsify.ops.index_code import index_code_bytes
+from tf_sparsify.step_model.network import (
     Cluster,
     Transfer,
     all_gather,
     all_reduce,
     all_to_all,
 )
-from tf_sparsify.analysis.whatif_shapes import Layers
-from tf_sparsify.common.checks import check_number
-from tf_sparsify.compressors.powersgd import PowerSGD
-from tf_sparsify.compressors.qsgd import QSGD
-from tf_sparsify.compressors.topk import TopK
-from tf_sparsify.ops.index_code import index_code_bytes
+from tf_sparsify.step_model.shapes import Layers
 
 MAX_INT32_ELEMENTS = 2**31 - 1
 

@@ -21,15 +21,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from tf_sparsify.analysis.whatif_methods import Method
-from tf_sparsify.analysis.whatif_network import Cluster, check_choice, link_time
-from tf_sparsify.analysis.whatif_shapes import Layers
 from tf_sparsify.common.checks import check_int, check_number
+from tf_sparsify.step_model.methods import Method
+from tf_sparsify.step_model.network import Cluster, check_choice, link_time
+from tf_sparsify.step_model.shapes import Layers
 
 Overlap = Literal["none", "backprop", "full"]
 OVERLAPS = ("none", "backprop", "full")
 Late = Literal["none", "last", "all"]
-#: units exchanged one step late: none, the first tensor's (backprop makes it ready last), all
+#: what travels one step late (``ExchangeOptions.late_buckets``): nothing, the last bucket
+#: backprop fills (the first layers'; the first tensor's in the model), or everything
 LATE_BUCKETS = ("none", "last", "all")
 #: the share of a step's compute that is the backward pass (the rest is the forward pass)
 BACKWARD_FRACTION = 2 / 3

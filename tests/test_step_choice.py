@@ -1,0 +1,119 @@
+"""Auto's choice per unit (``tf_sparsify.step_model.choice``): the least compression whose
+exchange hides under the compute that can overlap it, by the step model; Accordion's guard."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tf_sparsify.step_model.choice import Setting, choose, critical, predicted_step
+from tf_sparsify.step_model.methods import DenseAllReduce, TopKAllGather
+from tf_sparsify.step_model.network import Cluster, Link
+from tf_sparsify.step_model.shapes import Layers
+
+N = 1_000_000
+#: two equal vectors: the first layer's ready when the step's compute ends, the other at 2/3
+UNITS = Layers(((N,), (N,)))
+#: each with its own cost: 3 ms (FP16) and 10 ms (TopK) per unit of a million entries
+SETTINGS = (
+    Setting("dense", DenseAllReduce(4)),
+    Setting("fp16", DenseAllReduce(2, name="fp16"), seconds_per_element=3e-9),
+    Setting("topk1%", TopKAllGather(0.01), seconds_per_element=1e-8),
+)
+COMPUTE = 1.0
+
+
+def cluster(dense_seconds: float) -> Cluster:
+    """Two workers on a link where one unit's dense fp32 all-reduce (``4 N`` bytes sent, ring,
+    P = 2) takes ``dense_seconds``."""
+    return Cluster(nodes=2, inter=Link(bandwidth=4 * N / dense_seconds))
+
+
+def test_a_fast_link_keeps_every_unit_dense():
+    """The first layer's exchange (5 ms) starts when the compute ends, so it never hides; but
+    FP16 would save 2.5 ms for 3 ms of casts, TopK under 5 ms for 10 ms."""
+    choice = choose(UNITS, SETTINGS, cluster(0.005), COMPUTE)
+    assert choice.levels == (0, 0) and not choice.hidden
+    assert choice.step == pytest.approx(COMPUTE + 0.005)
+
+
+def test_the_exposed_first_layer_is_compressed_the_other_stays_dense():
+    """Dense: the second unit's exchange runs from 2/3 to 0.867 under compute, the first's from
+    1.0 to 1.2, exposed. FP16 halves the first one's (1.1, plus 3 ms); TopK 1% sends 10,000
+    values and their index code (about 51 kB, 1/40 of FP16's): 1.003 plus 10 ms. No raise of
+    the second unit shortens the step."""
+    choice = choose(UNITS, SETTINGS, cluster(0.2), COMPUTE)
+    assert choice.levels == (2, 0)
+    topk = predicted_step((2, 0), UNITS, SETTINGS, cluster(0.2), COMPUTE)
+    assert choice == topk and 1.01 < topk.step < 1.015 and not topk.hidden
+    assert predicted_step((0, 0), UNITS, SETTINGS, cluster(0.2), COMPUTE).step == pytest.approx(1.2)
+    assert predicted_step((1, 0), UNITS, SETTINGS, cluster(0.2), COMPUTE).step == pytest.approx(
+        1.103
+    )
+
+
+def test_the_least_compression_that_hides_is_taken():
+    """With the first layer a step late its exchange runs from 0: at 0.2 s per dense exchange
+    both hide (the second from 2/3 to 0.867), so nothing is compressed. At 0.5 s the second
+    one's ends at 1.167; compressing the first does not move it, FP16 on the second (0.25 s)
+    hides it, and its casts are the only cost left."""
+    assert choose(UNITS, SETTINGS, cluster(0.2), COMPUTE, late_buckets="last").levels == (0, 0)
+    choice = choose(UNITS, SETTINGS, cluster(0.5), COMPUTE, late_buckets="last")
+    assert choice.hidden and choice.levels == (0, 1)
+    assert choice.step == pytest.approx(COMPUTE + 0.003)
+
+
+def test_compression_that_costs_more_than_it_saves_is_not_taken():
+    slow_topk = Setting("topk1%", TopKAllGather(0.01), seconds_per_element=1e-6)
+    choice = choose(UNITS, (SETTINGS[0], slow_topk), cluster(0.2), COMPUTE)
+    assert choice.levels == (0, 0) and choice.step == pytest.approx(1.2)
+
+
+def test_pinned_units_keep_their_setting_and_critical_ones_stay_mild():
+    assert choose(UNITS, SETTINGS, cluster(0.2), COMPUTE, pinned={0: 0}).levels == (0, 0)
+    assert choose(UNITS, SETTINGS, cluster(0.005), COMPUTE, pinned={1: 2}).levels == (0, 2)
+    guarded = choose(UNITS, SETTINGS, cluster(0.2), COMPUTE, critical=[True, False])
+    assert guarded.levels == (1, 0) and guarded.step == pytest.approx(1.103)
+
+
+def test_accordions_rule():
+    assert critical([1.0, 2.0], None) == [True, True]
+    assert critical([1.0, 2.0, 0.4], [1.0, 1.0, 1.0]) == [False, True, True]
+    assert critical([1.49, 1.5], [1.0, 1.0]) == [False, True]
+    assert critical([1.2], [1.0], eta=0.1) == [True]
+
+
+def test_an_infinite_link_and_no_compute_still_choose():
+    free = Cluster(nodes=2, inter=Link(bandwidth=math.inf))
+    assert choose(UNITS, SETTINGS, free, 0.0).levels == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"compute": -1.0}, "compute"),
+        ({"critical_level": 3}, "critical_level"),
+        ({"pinned": {2: 0}}, "pinned unit"),
+        ({"pinned": {0: 5}}, r"pinned\[0\]"),
+        ({"critical": [True]}, "critical"),
+        ({"late_buckets": "first"}, "late_buckets"),
+        ({"backward_fraction": 0.0}, "backward_fraction"),
+    ],
+)
+def test_bad_input_is_named(kwargs, message):
+    args = {"compute": COMPUTE, **kwargs}
+    compute = args.pop("compute")
+    with pytest.raises(ValueError, match=message):
+        choose(UNITS, SETTINGS, cluster(0.2), compute, **args)
+
+
+def test_bad_settings_and_norms_are_named():
+    with pytest.raises(ValueError, match="settings"):
+        choose(UNITS, (), cluster(0.2), COMPUTE)
+    with pytest.raises(ValueError, match="seconds_per_element"):
+        Setting("topk", TopKAllGather(0.01), seconds_per_element=-1.0)
+    with pytest.raises(ValueError, match="previous"):
+        critical([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="eta"):
+        critical([1.0], [1.0], eta=0.0)

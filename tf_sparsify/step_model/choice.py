@@ -1,0 +1,154 @@
+"""Which setting each unit should be sent with: the least compression whose exchange still hides
+under the compute that can overlap it, by the step model of :mod:`.predict`.
+
+A setting is one way to send a unit (dense fp32, FP16, TopK at a ratio, ...), listed from the
+least compression to the most, with its own compression cost per element (measured; it never
+hides). Every unit starts at its least compression allowed. Then, one level on one unit at a
+time, compression goes up where it shortens the predicted step most, until the exchange hides
+(the step is its compute plus the compression costs) or no single raise shortens the step any
+more. A unit the user pins keeps its setting; a unit in a critical phase (:func:`critical`) may
+not go past ``critical_level``. The rule is greedy and predictable: the same inputs give the
+same choice, and a unit is never compressed more than the step needs.
+
+Each unit's exchange is priced alone (its own collective: one call cost per unit), and the step
+is :func:`.predict.step_time` with backprop overlap: a unit's exchange starts when backward has
+made its gradient (the last unit's first), and late units (``late_buckets``) from the step's
+start.
+
+The accuracy guard is Accordion's (Agarwal et al., MLSys 2021): a unit is in a critical phase
+when the norm of its gradient summed over an interval changed by ``eta`` or more (relative)
+since the previous interval, and at the start (no previous interval). Accordion's rule needs
+only the norms every rank already has after the exchange, and it is one threshold a user can
+read; an error budget (L-GreCo) would need each setting's error per unit measured each interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tf_sparsify.common.checks import check_int, check_number
+from tf_sparsify.step_model.methods import Method
+from tf_sparsify.step_model.network import Cluster
+from tf_sparsify.step_model.predict import (
+    BACKWARD_FRACTION,
+    Late,
+    comm_time,
+    step_time,
+)
+from tf_sparsify.step_model.shapes import Layers
+
+#: Accordion's threshold on the relative change of a unit's gradient norm between intervals
+ETA = 0.5
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to send a unit: the step model's ``method`` and the compressor's own cost,
+    ``seconds_per_element`` (select, encode, decode; measured)."""
+
+    name: str
+    method: Method
+    seconds_per_element: float = 0.0
+
+    def __post_init__(self):
+        check_number("seconds_per_element", self.seconds_per_element, low=0)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A setting level per unit (an index into the settings), the predicted step and its parts
+    (seconds), and whether the exchange hides under the compute."""
+
+    levels: tuple[int, ...]
+    step: float
+    compute: float
+    overhead: float
+
+    @property
+    def hidden(self) -> bool:
+        return self.step <= self.compute + self.overhead
+
+
+def predicted_step(
+    levels: Sequence[int],
+    units: Layers,
+    settings: Sequence[Setting],
+    cluster: Cluster,
+    compute: float,
+    late_buckets: Late = "none",
+    backward_fraction: float = BACKWARD_FRACTION,
+) -> Choice:
+    """The step of ``units`` (first layer's first) sent at these setting ``levels``."""
+    sizes = units.sizes
+    comms = [
+        comm_time(settings[level].method, Layers((shape,)), cluster)
+        for shape, level in zip(units.shapes, levels, strict=True)
+    ]
+    overhead = sum(
+        settings[lv].seconds_per_element * n for lv, n in zip(levels, sizes, strict=True)
+    )
+    step = step_time(compute, overhead, comms, "backprop", late_buckets, sizes, backward_fraction)
+    return Choice(tuple(levels), step, compute, overhead)
+
+
+def choose(
+    units: Layers,
+    settings: Sequence[Setting],
+    cluster: Cluster,
+    compute: float,
+    *,
+    pinned: Mapping[int, int] | None = None,
+    critical: Sequence[bool] | None = None,
+    critical_level: int = 1,
+    late_buckets: Late = "none",
+    backward_fraction: float = BACKWARD_FRACTION,
+) -> Choice:
+    """The levels for ``units`` (see the module's docstring); ``pinned``: ``{unit: level}``;
+    ``critical``: per unit, whether it is in a critical phase (then at most
+    ``critical_level``)."""
+    compute = check_number("compute", compute, low=0)
+    n, top = len(units.shapes), len(settings) - 1
+    if top < 0:
+        raise ValueError("`settings` must hold at least one setting")
+    check_int("critical_level", critical_level, 0, top)
+    critical = [False] * n if critical is None else list(critical)
+    if len(critical) != n:
+        raise ValueError(f"`critical` must hold one flag per unit ({n}); got {len(critical)}")
+    pinned = dict(pinned or {})
+    for unit, level in pinned.items():
+        check_int("pinned unit", unit, 0, n - 1)
+        check_int(f"pinned[{unit}]", level, 0, top)
+    caps = [critical_level if c else top for c in critical]
+    levels = [pinned.get(i, 0) for i in range(n)]
+
+    def step_of(levels: Sequence[int]) -> Choice:
+        return predicted_step(
+            levels, units, settings, cluster, compute, late_buckets, backward_fraction
+        )
+
+    best = step_of(levels)
+    while not best.hidden:
+        raises = [i for i in range(n) if i not in pinned and levels[i] < caps[i]]
+        tried = [step_of([lv + (i == j) for j, lv in enumerate(levels)]) for i in raises]
+        if not tried or min(t.step for t in tried) >= best.step:
+            break
+        best = min(tried, key=lambda t: t.step)
+        levels = list(best.levels)
+    return best
+
+
+def critical(
+    norms: Sequence[float], previous: Sequence[float] | None, eta: float = ETA
+) -> list[bool]:
+    """Accordion's rule per unit: ``|norm - previous| >= eta * previous`` (the norms of the
+    gradients summed over the interval now ending and over the one before); every unit is
+    critical at the start (``previous`` None)."""
+    eta = check_number("eta", eta, low=0, low_open=True)
+    if previous is None:
+        return [True] * len(norms)
+    if len(previous) != len(norms):
+        raise ValueError(
+            f"`previous` must hold one norm per unit ({len(norms)}); got {len(previous)}"
+        )
+    return [abs(a - b) >= eta * b for a, b in zip(norms, previous, strict=True)]
