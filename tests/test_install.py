@@ -69,28 +69,21 @@ def test_pip_install_from_checkout_builds_and_loads_kernels(tmp_path):
 
     run_env = {**env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     built = run_ok([py, "-m", "tf_sparsify.ops.build"], work, run_env)
-    site = Path(
-        run_ok(
-            [py, "-c", "import tf_sparsify, os; print(os.path.dirname(tf_sparsify.__file__))"],
-            work,
-            run_env,
-        ).strip()
+    report = run_ok([py, "-m", "tf_sparsify", "info"], work, run_env)
+    topk = (
+        "import os, tensorflow as tf, tf_sparsify; from tf_sparsify import ops\n"
+        "v, i, r = ops.topk_error_feedback(tf.constant([1., -5., 2., 0.]), tf.zeros([4]), 2)\n"
+        "print(os.path.dirname(tf_sparsify.__file__)); print(i.numpy().tolist())"
     )
+    loaded = run_ok([py, "-c", topk], work, {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"})
+    package, selected = loaded.strip().splitlines()[-2:]
+    site = Path(package)
     assert site.is_relative_to(venv), site
     assert str(site / "ops" / "lib" / "_tf_sparsify_ops.so") in built
-
-    report = run_ok([py, "-m", "tf_sparsify", "info"], work, run_env)
     assert f"compiled kernels loaded from {site / 'ops' / 'lib'}" in report
     assert "origin: built from source for TensorFlow" in report
     assert "TopKErrorFeedback: CPU" in report and "QSGDQuantize: CPU" in report
-    topk = (
-        "import tensorflow as tf; from tf_sparsify import ops\n"
-        "v, i, r = ops.topk_error_feedback(tf.constant([1., -5., 2., 0.]), tf.zeros([4]), 2)\n"
-        "print(i.numpy().tolist())"
-    )
-    assert run_ok([py, "-c", topk], work, {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"}).strip() == (
-        "[1, 2]"
-    )
+    assert selected == "[1, 2]"
 
 
 KERNEL_SOURCES = ("cc/ops/ops.cc", "cc/kernels/topk_error_feedback_cpu.cc", "cuda/topk.cu")
