@@ -294,6 +294,14 @@ def test_exchange_checkpoint_restores_residuals_and_step(exact):
     _passed(exact, "exchange_checkpoint")
 
 
+def test_the_link_probe_measures_one_link_for_every_rank(exact):
+    """``measure_link`` through Horovod's all-reduce: every rank holds the same times (averaged
+    over the ranks), a link fits them, and ``probe-link --out`` wrote them (checked on rank 0)."""
+    ranks = _passed(exact, "probe_link")
+    assert ranks[0]["seconds"] == ranks[1]["seconds"] and len(ranks[0]["seconds"]) == 4
+    assert ranks[0]["bandwidth"] > 0
+
+
 def test_tape_with_momentum_correction_equals_the_optimizer(exact):
     """Custom loops get DGC momentum correction too, from the same state core."""
     _passed(exact, "tape_momentum_equals_optimizer")

@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tf_sparsify.analysis import whatif_cli as cli
+from tf_sparsify.step_model.link_fit import LinkMeasurement
 
 BASE = ["--compute-ms", "100", "--params", "25M"]
 
@@ -90,6 +91,27 @@ def test_cli_auto_says_what_each_tensor_would_be_sent_with(capsys):
     assert cli.main([*argv, "--auto-ratios", "0.05", "--late-buckets", "all"]) == 0
     out = capsys.readouterr().out
     assert "topk0.1%" not in out and out.splitlines()[-1].endswith("hides under compute")
+
+
+def test_cli_link_takes_a_measured_link(tmp_path, capsys):
+    """``--link`` (what ``probe-link`` wrote): 2 workers, 1 Gbit/s and 200 us per call."""
+    link = tmp_path / "link.json"
+    sizes = (4096, 65536, 1048576)
+    link.write_text(LinkMeasurement(2, sizes, tuple(2e-4 + m / 1.25e8 for m in sizes)).to_json())
+    argv = ["--compute-ms", "55", "--model", "mlp10m", "--link", str(link), "--auto"]
+    assert cli.main(argv) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "P = 2, 1 Gbit/s, alpha 0 us" in head
+    assert "P = 8," in cli_main_out([*argv, "--workers", "8"], capsys)
+    assert "drop --bandwidth" in cli_error([*argv, "--bandwidth", "10gbit"], capsys)
+    link.write_text("{}")
+    assert f"--link {str(link)!r}: expected a JSON object" in cli_error(argv, capsys)
+    assert "No such file" in cli_error([*argv[:-3], "--link", str(tmp_path / "no.json")], capsys)
+
+
+def cli_main_out(argv: list[str], capsys) -> str:
+    assert cli.main(argv) == 0
+    return capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,8 @@ COMMANDS = {
     "devices and CUDA versions",
     "whatif": "predicted step time of each exchange method on a network "
     "(python -m tf_sparsify whatif --help)",
+    "probe-link": "measure the link with all-reduces of a few sizes, under horovodrun; write "
+    "what was measured as JSON for `whatif --link`",
     "install-horovod": "build Horovod 0.28.1 (TensorFlow + Gloo) into this Python's environment "
     "(needs cmake and a C++ compiler; about 1.5 minutes on 2 cores)",
 }
@@ -34,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
         command = commands.add_parser(
             name, help=summary, description=summary, add_help=name != "whatif"
         )
+        if name == "probe-link":
+            command.add_argument("--out", help="the JSON file rank 0 writes (default: none)")
+            command.add_argument("--repeats", type=int, default=5, help="timed calls per size")
         if name == "install-horovod":
             command.add_argument(
                 "--dry-run",
@@ -50,6 +55,34 @@ def install_horovod(dry_run: bool) -> int:
     return subprocess.run(command + (["--dry-run"] if dry_run else [])).returncode
 
 
+def probe_link(out: str | None, repeats: int) -> int:
+    """Measures the link under ``horovodrun`` (every rank runs it); rank 0 prints the fitted
+    link and writes the measurement to ``out``."""
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as error:
+        print(f"probe-link runs under horovodrun and needs Horovod: {error}", file=sys.stderr)
+        return 2
+    from tf_sparsify.core.link_probe import measure_link
+    from tf_sparsify.horovod.collective import HorovodCollective
+
+    hvd.init()
+    if hvd.size() < 2:
+        print("probe-link needs 2 or more ranks: horovodrun -np 2 ...", file=sys.stderr)
+        return 2
+    measured = measure_link(HorovodCollective(), repeats=repeats)
+    if hvd.rank() == 0:
+        link = measured.link()
+        print(
+            f"{measured.workers} ranks: {8 * link.bandwidth / 1e9:.3g} Gbit/s, "
+            f"{1e6 * link.call_overhead:.0f} us per call"
+        )
+        if out:
+            Path(out).write_text(measured.to_json())
+            print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["whatif"]:  # its own options, parsed by the what-if's parser
         from tf_sparsify.analysis import whatif_cli
@@ -62,6 +95,8 @@ def main(argv: list[str]) -> int:
 
         print(ops.info())
         return 0
+    if args.command == "probe-link":
+        return probe_link(args.out, args.repeats)
     if args.command == "install-horovod":
         return install_horovod(args.dry_run)
     p.print_help(sys.stderr)

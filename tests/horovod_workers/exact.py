@@ -8,6 +8,7 @@ computes the expected averaged update itself with the compressors called directl
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections import Counter
 
@@ -518,6 +519,22 @@ def check_callbacks() -> dict:
     return {"raw_losses": losses, "averaged_loss": averaged.logs[0]["loss"]}
 
 
+def check_probe_link(tmp: str) -> dict:
+    """The link measured through the real all-reduce: the same numbers on every rank, and
+    ``python -m tf_sparsify probe-link --out`` writes them on rank 0."""
+    from tf_sparsify.__main__ import probe_link
+    from tf_sparsify.core.link_probe import measure_link
+    from tf_sparsify.horovod.collective import HorovodCollective
+    from tf_sparsify.step_model.link_fit import LinkMeasurement
+
+    measured = measure_link(HorovodCollective(), repeats=2)
+    out = os.path.join(tmp, "link.json")
+    assert probe_link(out, repeats=2) == 0
+    written = LinkMeasurement.from_json(open(out).read()) if RANK == 0 else None
+    assert written is None or written.workers == 2
+    return {"seconds": list(measured.seconds), "bandwidth": measured.link().bandwidth}
+
+
 def main() -> None:
     checks = Checks()
     for name in CONFIGS:
@@ -526,6 +543,7 @@ def main() -> None:
     checks.run("late_buckets", check_late_buckets)
     with tempfile.TemporaryDirectory() as tmp:
         checks.run("exchange_checkpoint", lambda: check_exchange_checkpoint(tmp))
+        checks.run("probe_link", lambda: check_probe_link(tmp))
     checks.run("tape_momentum_equals_optimizer", check_tape_momentum_equals_optimizer)
     checks.run("sparse_sgd_equals_dense", check_sparse_sgd_equals_dense)
     checks.run("identity_equals_horovod_average", check_identity_equals_horovod)

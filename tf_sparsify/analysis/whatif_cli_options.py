@@ -22,6 +22,7 @@ from tf_sparsify.analysis.whatif_cli_values import (
 )
 from tf_sparsify.compressors.qsgd import MAX_LEVELS as MAX_QSGD_LEVELS
 from tf_sparsify.step_model import methods
+from tf_sparsify.step_model.link_fit import LinkMeasurement
 from tf_sparsify.step_model.network import SCHEDULES
 from tf_sparsify.step_model.predict import LATE_BUCKETS, OVERLAPS
 from tf_sparsify.step_model.shapes import Layers
@@ -140,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--burst", type=parse_size, help="token bucket depth (with --shared-medium; default: 0)"
     )
+    p.add_argument(
+        "--link",
+        help="a link measured by `python -m tf_sparsify probe-link --out FILE` (JSON): its "
+        "bandwidth and per-call cost, and its worker count unless --workers is given",
+    )
     p.add_argument("--host-bandwidth", type=parse_bandwidth, help="per-worker host limit")
     p.add_argument("--methods", help="comma list (default: all; hier-* with --gpus-per-node)")
     p.add_argument(
@@ -189,6 +195,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     """Options against each other (each error names its options and values through
     ``p.error``); defaults filled in; ``args.method_list``, ``args.model_layers``,
     ``args.bandwidth_list`` (``--sweep``) set."""
+    _read_link(p, args)
     _check_cluster(p, args)
     _check_methods(p, args)
     _check_auto(p, args)
@@ -282,6 +289,24 @@ def _check_methods(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
         if name not in names:
             p.error(f"--overhead-ms: {name!r} is not among --methods {args.methods!r}")
     args.overhead_ms = overheads
+
+
+def _read_link(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--link``'s measurement into ``--bandwidth``, ``--call-overhead`` (the fitted cost of a
+    call includes its rounds: ``--latency`` 0) and ``--workers`` where not given."""
+    if args.link is None:
+        return
+    for option, given in (("--bandwidth", args.bandwidth), ("--nodes", args.nodes)):
+        if given is not None:
+            p.error(f"--link gives the measured link: drop {option}")
+    try:
+        with open(args.link) as f:
+            measured = LinkMeasurement.from_json(f.read())
+    except (OSError, ValueError, TypeError) as error:
+        p.error(f"--link {args.link!r}: {error}")
+    link = measured.link()
+    args.bandwidth, args.call_overhead, args.latency = link.bandwidth, link.call_overhead, 0.0
+    args.workers = measured.workers if args.workers is None else args.workers
 
 
 def _check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

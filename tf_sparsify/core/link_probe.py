@@ -1,0 +1,51 @@
+"""The link, measured: all-reduces of a few sizes through a front end's real collective.
+
+Each size is all-reduced once to warm up, then ``repeats`` times; its time is the median. The
+times are then averaged over the replicas by one more all-reduce, so every rank holds the same
+numbers (a decision taken from them is the same everywhere). Each call runs in a
+``tf.function``, as a training step's collectives do (Horovod, a custom transport's
+collective; not inside a ``tf.distribute`` replica context).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+from tf_sparsify.collectives.base import Collective
+from tf_sparsify.common.checks import check_int
+from tf_sparsify.step_model.link_fit import LinkMeasurement
+
+#: payload sizes in bytes: 4 KiB (the per-call cost) to 4 MiB (the bandwidth)
+PROBE_BYTES = (2**12, 2**16, 2**20, 2**22)
+
+
+def measure_link(
+    collective: Collective,
+    payload_bytes: Sequence[int] = PROBE_BYTES,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> LinkMeasurement:
+    """Times ``collective.all_reduce_sum`` of float32 payloads of each size (bytes, a multiple
+    of 4); the same :class:`LinkMeasurement` on every replica."""
+    check_int("repeats", repeats)
+    for size in payload_bytes:
+        if check_int("payload_bytes", size) % 4:
+            raise ValueError(f"`payload_bytes` must be multiples of 4 (float32); got {size}")
+    reduce = tf.function(lambda payload: collective.all_reduce_sum([payload])[0])
+    medians = []
+    for size in payload_bytes:
+        payload = tf.ones([size // 4], tf.float32)
+        reduce(payload).numpy()  # warm-up: the trace, negotiation, buffers
+        times = []
+        for _ in range(repeats):
+            start = clock()
+            reduce(payload).numpy()
+            times.append(clock() - start)
+        medians.append(statistics.median(times))
+    (total,) = collective.all_reduce_sum([tf.constant(medians, tf.float64)])
+    seconds = (total.numpy() / collective.num_replicas).tolist()
+    return LinkMeasurement(collective.num_replicas, tuple(payload_bytes), tuple(seconds))
