@@ -13,6 +13,7 @@ import tensorflow as tf
 import tf_sparsify as tfs
 from tests.conftest import run_python
 from tests.embedding_model import embedding_model
+from tf_sparsify.testing import numpy_reference
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(64, 8)).astype("float32")
@@ -372,3 +373,30 @@ def test_compression_stats_write_tensorboard_summaries(tmp_path):
         for v in event.summary.value
     }
     assert "compression/compression_ratio" in tags and "compression/bytes_per_step" in tags
+
+
+def test_a_new_compressor_keeps_the_residual_and_conserves_exactly():
+    """``set_compressor`` between steps (as automatic compression changes a setting): the
+    residual carries over; dense and FP16 send it whole and empty it, TopK keeps what it does
+    not select (the NumPy model: ties to the lowest index). After each step the update equals
+    the model's, and update plus residual is the step's gradient plus the residual before."""
+    rng = np.random.default_rng(3)
+    grads = [rng.integers(-8, 9, 12).astype(np.float32) for _ in range(5)]
+    settings = [tfs.TopK(k=3), tfs.Identity(), tfs.FP16(), tfs.TopK(k=2), tfs.TopK(k=5)]
+    variable = keras.Variable(np.zeros(12, np.float32))
+    optimizer = tfs.SparsifiedOptimizer(keras.optimizers.SGD(1.0), settings[0])
+    optimizer.build([variable])
+    residual = np.zeros(12, np.float32)
+    for grad, compressor in zip(grads, settings, strict=True):
+        optimizer.set_compressor(compressor)
+        before = variable.numpy()
+        tf.function(lambda g: optimizer.apply([g], [variable]))(tf.constant(grad))
+        total = grad + residual
+        sent = total.copy()
+        if isinstance(compressor, tfs.TopK):
+            keys = numpy_reference.magnitude_keys(total.view(np.uint32), "float32")
+            dropped = np.setdiff1d(np.arange(12), numpy_reference.topk_select(keys, compressor.k))
+            sent[dropped] = 0
+        residual = total - sent
+        np.testing.assert_array_equal(before - variable.numpy(), sent, err_msg=repr(compressor))
+        np.testing.assert_array_equal(optimizer.residuals[0].numpy(), residual)
