@@ -73,3 +73,24 @@ def test_validation_script_main(tmp_path, capsys):
     path.write_text(json.dumps({"rows": no_unlimited}))
     assert wv.main([str(path)]) == 1
     assert "skipped" in capsys.readouterr().out
+
+
+def test_every_bucket_late_hides_the_wire_but_not_the_host_work():
+    """``identity_late`` at P = 2: at 1 Gbit/s the wire (both ranks' 40 MB through one limit)
+    outlasts compute plus host work; at 10 Gbit/s the host work (t0 + 40 MB at 500 MB/s) on
+    the rank's own core adds to the compute and sets the step."""
+    truth = {
+        "t0": 0.01,
+        "host": 5e8,
+        "compute": {"unlimited": 0.2, "1gbit": 0.25, "10gbit": 0.22},
+        "overheads": {"identity": 0.0, "fp16": 0.05, "topk1": 0.04},
+    }
+    rows = synthetic_rows(2, truth)
+    dense = 40_083_496
+    for row in [r for r in rows if r["compressor"] == "identity" and r["rate"] != "unlimited"]:
+        rows.append({**row, "compressor": "identity_late", "best_ms": 100.0})
+    results, _ = wv.validate(rows)
+    late = {r["rate"]: r["predicted_ms"] for r in results if r["compressor"] == "identity_late"}
+    host = 0.01 + dense / 5e8
+    assert late["1gbit"] == pytest.approx(1e3 * (0.01 + (2 * dense - 512 * 1024) / GBIT))
+    assert late["10gbit"] == pytest.approx(1e3 * (0.22 + host))
