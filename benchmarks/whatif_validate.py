@@ -67,7 +67,7 @@ def comm(compressor: str, row: dict, link: w.Link) -> float:
 def late_step(base: str, row: dict, link: w.Link, compute: float, overhead: float) -> float:
     """Every bucket late: the wire hides under the next step, the host work does not."""
     sent = transfer(base, row["bytes_per_step"], row["ranks"])
-    host = link.call_overhead + sent.bytes_sent / link.host_bandwidth
+    host = w.link_time([sent], dataclasses.replace(link, bandwidth=math.inf))
     wire = w.link_time([sent], dataclasses.replace(link, host_bandwidth=math.inf))
     return overhead + max(compute + host, wire)
 

@@ -8,9 +8,9 @@ computes the expected averaged update itself with the compressors called directl
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections import Counter
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -528,9 +528,9 @@ def check_probe_link(tmp: str) -> dict:
     from tf_sparsify.step_model.link_fit import LinkMeasurement
 
     measured = measure_link(HorovodCollective(), repeats=2)
-    out = os.path.join(tmp, "link.json")
-    assert probe_link(out, repeats=2) == 0
-    written = LinkMeasurement.from_json(open(out).read()) if RANK == 0 else None
+    out = Path(tmp) / "link.json"
+    assert probe_link(str(out), repeats=2) == 0
+    written = LinkMeasurement.from_json(out.read_text()) if RANK == 0 else None
     assert written is None or written.workers == 2
     return {"seconds": list(measured.seconds), "bandwidth": measured.link().bandwidth}
 

@@ -73,4 +73,4 @@ class LinkMeasurement:
         data = json.loads(text)
         if not isinstance(data, dict) or not {"workers", "payload_bytes", "seconds"} <= set(data):
             raise ValueError("expected a JSON object with workers, payload_bytes and seconds")
-        return cls(int(data["workers"]), tuple(data["payload_bytes"]), tuple(data["seconds"]))
+        return cls(data["workers"], tuple(data["payload_bytes"]), tuple(data["seconds"]))
