@@ -7,6 +7,7 @@ from tf_sparsify.compressors import (
     BF16,
     FP16,
     QSGD,
+    Auto,
     Compressor,
     Identity,
     PowerSGD,
@@ -22,6 +23,7 @@ from tf_sparsify.core.transport import Transport
 from tf_sparsify.custom_loop.gradient_exchange import GradientExchange
 from tf_sparsify.heuristics import dgc_density_schedule
 from tf_sparsify.keras import (
+    AutoCompression,
     CompressionDiagnostics,
     CompressionStats,
     DensityWarmup,
@@ -37,6 +39,8 @@ __all__ = [
     "BF16",
     "FP16",
     "QSGD",
+    "Auto",
+    "AutoCompression",
     "CompressionDiagnostics",
     "CompressionStats",
     "Compressor",

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from tf_sparsify.analysis.whatif_cli_tables import columns
 from tf_sparsify.analysis.whatif_cli_values import OptionError
 from tf_sparsify.common.checks import check_number
-from tf_sparsify.step_model.choice import Choice, Setting, choose
-from tf_sparsify.step_model.methods import DenseAllReduce, TopKAllGather
+from tf_sparsify.compressors.auto import Auto
+from tf_sparsify.step_model.choice import Choice, Setting, auto_settings, choose
 from tf_sparsify.step_model.network import Cluster
 from tf_sparsify.step_model.shapes import Layers
 
@@ -36,17 +36,13 @@ def auto_ratios(text: str) -> list[float]:
     return sorted(values, reverse=True)
 
 
-def auto_settings(
+def settings_for(
     ratios: Sequence[float], overheads: Mapping[str, float], num_params: int
 ) -> list[Setting]:
     """Dense, FP16, then TopK at each ratio; ``overheads``: ``{"fp16" | "topk": seconds}`` of
     one step for the ``num_params`` entries of the model."""
     fp16, topk = (overheads.get(name, 0.0) / num_params for name in ("fp16", "topk"))
-    return [
-        Setting("dense", DenseAllReduce(4)),
-        Setting("fp16", DenseAllReduce(2, name="fp16"), fp16),
-        *(Setting(f"topk{100 * r:g}%", TopKAllGather(r), topk) for r in ratios),
-    ]
+    return auto_settings(Auto(ratios), [0.0, fp16, *(topk for _ in ratios)])
 
 
 def _ranges(indices: Sequence[int]) -> str:
@@ -80,7 +76,7 @@ def auto_table(choice: Choice, settings: Sequence[Setting], layers: Layers) -> s
 
 def run_auto(args: argparse.Namespace, layers: Layers, cluster: Cluster) -> str:
     """The ``--auto`` section of ``run_once``'s output."""
-    settings = auto_settings(args.auto_ratio_list, args.overhead_ms, layers.num_params)
+    settings = settings_for(args.auto_ratio_list, args.overhead_ms, layers.num_params)
     choice = choose(
         layers, settings, cluster, args.compute_ms / 1e3, late_buckets=args.late_buckets
     )

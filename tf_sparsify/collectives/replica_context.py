@@ -86,3 +86,23 @@ def current_collective() -> Collective:
     if tf.distribute.has_strategy() and context.num_replicas_in_sync > 1:
         return ReplicaContextCollective(context)
     return LocalCollective()
+
+
+class StrategyCollective(Collective):
+    """A strategy's all-reduce called from cross-replica context (outside a step): each call
+    runs on every local replica through ``strategy.run``; the result is the first replica's.
+    For measurements every process must agree on (a link probe), not for gradients."""
+
+    def __init__(self, strategy: tf.distribute.Strategy):
+        self.strategy = strategy
+        self.num_replicas = strategy.num_replicas_in_sync
+
+    def all_reduce_sum(self, tensors):
+        def reduce():  # each replica's own copy (a tf.function's argument is no replica's)
+            context = tf.distribute.get_replica_context()
+            return ReplicaContextCollective(context).all_reduce_sum(
+                [tf.identity(t) for t in tensors]
+            )
+
+        results = self.strategy.run(reduce)
+        return [self.strategy.experimental_local_results(r)[0] for r in results]

@@ -2,6 +2,7 @@
 ``decompress(payload, ctx)``) and multi-round exchanges (PowerSGD, SparseAllReduce)."""
 
 from tf_sparsify.compat import renamed
+from tf_sparsify.compressors.auto import Auto
 from tf_sparsify.compressors.base import (
     Codec,
     Compressor,
@@ -20,6 +21,7 @@ from tf_sparsify.compressors.topk import TopK
 
 __all__ = [
     "BF16",
+    "Auto",
     "FP16",
     "QSGD",
     "Codec",

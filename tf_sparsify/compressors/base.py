@@ -131,6 +131,11 @@ class Compressor(abc.ABC):
         beta = self.variance_bound(num_elements) if self.unbiased else None
         return None if beta is None or beta >= 1 else 1.0 - beta
 
+    def for_unit(self, position: int, count: int) -> Compressor:
+        """The compressor that sends compressed unit ``position`` of ``count`` (in variable
+        order): this one, unless the compressor chooses per unit (``Auto``)."""
+        return self
+
     def get_config(self) -> dict[str, Any]:
         return {}
 

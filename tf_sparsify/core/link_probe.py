@@ -46,6 +46,14 @@ def measure_link(
             reduce(payload).numpy()
             times.append(clock() - start)
         medians.append(statistics.median(times))
-    (total,) = collective.all_reduce_sum([tf.constant(medians, tf.float64)])
-    seconds = (total.numpy() / collective.num_replicas).tolist()
+    seconds = agree(medians, collective)
     return LinkMeasurement(collective.num_replicas, tuple(payload_bytes), tuple(seconds))
+
+
+def agree(values: Sequence[float], collective: Collective | None) -> list[float]:
+    """The mean of ``values`` over the replicas of ``collective`` (as they are without one),
+    so that a decision taken from them is the same everywhere."""
+    if collective is None:
+        return [float(v) for v in values]
+    (total,) = collective.all_reduce_sum([tf.constant(list(values), tf.float64)])
+    return (total.numpy() / collective.num_replicas).tolist()

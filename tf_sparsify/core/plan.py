@@ -33,6 +33,9 @@ class Unit:
     error_feedback: bool
     #: the bucket the unit's payload travels in (0 travels first, in backprop order)
     bucket: int = 0
+    #: its place among the compressed units, in variable order (what a per-unit compressor's
+    #: choice is indexed by); ``None`` for a unit sent dense for its size or rank
+    position: int | None = None
 
     @property
     def num_elements(self) -> int:
@@ -95,14 +98,15 @@ def plan_units(
         for i in compressed:
             by_dtype.setdefault(tf.as_dtype(dtypes[i]), []).append(i)
         groups = list(by_dtype.values())
-    for group in groups:
+    for position, group in enumerate(groups):
         units.append(
             Unit(
                 tuple(group),
                 tuple(tf.TensorShape(shapes[i]) for i in group),
                 tf.as_dtype(dtypes[group[0]]),
-                compressor,
+                compressor.for_unit(position, len(groups)),
                 options.error_feedback,
+                position=position,
             )
         )
     for unit in units:  # error feedback needs a contraction at the unit's size

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparsify.collectives import Collective, current_collective
+from tf_sparsify.collectives.replica_context import StrategyCollective
 from tf_sparsify.core import replica_values
 from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.core.plan import Unit
@@ -69,6 +70,14 @@ class Transport:
         what each variable's gradient is in this step (``None``: all dense)."""
         del pipeline, units, present
         return current_collective()
+
+    def job_collective(self) -> Collective | None:
+        """A collective over every replica of the job, called outside a step (to measure the
+        link, or to agree on measurements); ``None`` where the job is one replica."""
+        strategy = self._strategy or tf.distribute.get_strategy()
+        if strategy.num_replicas_in_sync > 1:
+            return StrategyCollective(strategy)
+        return None
 
     def run_pipeline(
         self,

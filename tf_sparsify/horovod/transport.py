@@ -116,6 +116,10 @@ class HorovodTransport(Transport):
             self.within_bytes,
         )
 
+    def job_collective(self) -> Collective | None:
+        """All ranks' flat all-reduce (outside a step), or ``None`` with one rank."""
+        return HorovodCollective() if hvd.size() > 1 else None
+
     def checkpoint_rows(self, local: int) -> tuple[int, int]:
         """One row per rank: this rank's, of ``hvd.size()`` (outside a Horovod job, the one
         process's)."""

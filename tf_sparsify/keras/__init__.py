@@ -1,5 +1,6 @@
 """Keras front end: the optimizer wrapper and its callbacks."""
 
+from tf_sparsify.keras.auto_compression import AutoCompression
 from tf_sparsify.keras.callbacks import CompressionStats
 from tf_sparsify.keras.diagnostics import CompressionDiagnostics, plot_diagnostics
 from tf_sparsify.keras.optimizer import SparsifiedOptimizer
@@ -7,6 +8,7 @@ from tf_sparsify.keras.warmup import DensityWarmup
 from tf_sparsify.keras.wrapped import find_sparsified, skip_gradient_all_reduce
 
 __all__ = [
+    "AutoCompression",
     "CompressionDiagnostics",
     "CompressionStats",
     "DensityWarmup",

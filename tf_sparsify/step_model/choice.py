@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tf_sparsify.common.checks import check_int, check_number
-from tf_sparsify.step_model.methods import Method
+from tf_sparsify.compressors.auto import Auto
+from tf_sparsify.step_model.methods import DenseAllReduce, Method, TopKAllGather
 from tf_sparsify.step_model.network import Cluster
 from tf_sparsify.step_model.predict import (
     BACKWARD_FRACTION,
@@ -53,6 +54,26 @@ class Setting:
 
     def __post_init__(self):
         check_number("seconds_per_element", self.seconds_per_element, low=0)
+
+
+def auto_settings(auto: Auto, seconds_per_element: Sequence[float]) -> list[Setting]:
+    """The step model's view of ``auto``'s settings (dense, the 16-bit cast, TopK at each
+    density), each with its own cost per element (measured, one per setting)."""
+    costs = list(seconds_per_element)
+    if len(costs) != len(auto.settings):
+        raise ValueError(
+            f"`seconds_per_element` must hold one cost per setting of {auto!r} "
+            f"({len(auto.settings)}); got {len(costs)}"
+        )
+    methods = [
+        DenseAllReduce(4),
+        DenseAllReduce(2, name=auto.half),
+        *(TopKAllGather(d) for d in auto.densities),
+    ]
+    return [
+        Setting(name, method, cost)
+        for name, method, cost in zip(auto.names, methods, costs, strict=True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -136,6 +157,34 @@ def choose(
         best = min(tried, key=lambda t: t.step)
         levels = list(best.levels)
     return best
+
+
+def compute_for(
+    measured: float,
+    levels: Sequence[int],
+    units: Layers,
+    settings: Sequence[Setting],
+    cluster: Cluster,
+    late_buckets: Late = "none",
+    backward_fraction: float = BACKWARD_FRACTION,
+) -> float:
+    """The compute-only time for which :func:`predicted_step` gives the ``measured`` step at
+    these ``levels`` (the predicted step grows with the compute; 0 when the exchange and the
+    compression costs alone take longer than ``measured``)."""
+    measured = check_number("measured", measured, low=0)
+
+    def step(compute: float) -> float:
+        return predicted_step(
+            levels, units, settings, cluster, compute, late_buckets, backward_fraction
+        ).step
+
+    low, high = 0.0, measured
+    if step(low) >= measured:
+        return 0.0
+    while high - low > 1e-6 * measured:
+        middle = (low + high) / 2
+        low, high = (middle, high) if step(middle) < measured else (low, middle)
+    return (low + high) / 2
 
 
 def critical(

@@ -78,7 +78,7 @@ class PackedTopKRoute(Route):
                 units[0].compressor,
                 True,
                 units[0].bucket,
-                tuple(units),
+                parts=tuple(units),
             )
             message = Message(unit, self, rounds, UnitMemory(), UnitMemory(), payload)
             message.residuals = list(after.residual)

@@ -1,0 +1,200 @@
+"""``AutoCompression``: the Keras callback that runs an ``Auto`` compressor's decisions.
+
+It turns on the optimizer's diagnostics (every ``interval // 4`` steps, unless they are on
+already) for each unit's gradient norm. After the first step it measures the link through the
+optimizer's transport (or takes the one given) and each setting's own cost; then every
+``interval`` steps it hands the interval's median step and each unit's mean gradient norm to
+the tuner
+(:class:`~tf_sparsify.core.auto_tuner.AutoTuner`), and when the levels change it gives the
+optimizer the new ``Auto`` (:meth:`~tf_sparsify.keras.SparsifiedOptimizer.set_compressor`:
+residuals carry over) and makes Keras retrace the step, between two steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Mapping
+
+import keras
+import numpy as np
+
+from tf_sparsify.common.checks import check_int
+from tf_sparsify.compressors.auto import Auto
+from tf_sparsify.core.auto_tuner import NO_LINK, AutoTuner, Decision
+from tf_sparsify.core.codec_cost import seconds_per_element
+from tf_sparsify.core.link_probe import agree, measure_link
+from tf_sparsify.keras.wrapped import find_sparsified
+from tf_sparsify.step_model.choice import ETA
+from tf_sparsify.step_model.link_fit import LinkMeasurement
+
+
+class AutoCompression(keras.callbacks.Callback):
+    """Chooses the setting of each unit of the optimizer's :class:`~tf_sparsify.Auto`.
+
+    Args:
+        interval: steps between decisions (at least 2).
+        link: the link measured before (``python -m tf_sparsify probe-link``), or None to
+            measure it after the first step (one replica: nothing to measure).
+        eta: Accordion's threshold on the relative change of a unit's mean gradient norm.
+        critical_level: the most compression a unit gets in a critical phase (1: the 16-bit
+            cast).
+        pinned: ``{variable path: setting name}`` (a path as ``variable.path`` gives it,
+            e.g. ``"model/dense/kernel"``; a setting as ``Auto.names``: ``"dense"``,
+            ``"fp16"``, ``"topk1%"``, ...): those units keep that setting.
+        verbose: 1 prints each decision.
+
+    :attr:`decisions` lists every decision; the epoch logs get ``auto_measured_step_ms``,
+    ``auto_predicted_step_ms`` and ``auto_units_<setting>`` (how many units use it).
+    """
+
+    def __init__(
+        self,
+        interval: int = 100,
+        link: LinkMeasurement | None = None,
+        *,
+        eta: float = ETA,
+        critical_level: int = 1,
+        pinned: Mapping[str, str] | None = None,
+        verbose: int = 0,
+    ):
+        super().__init__()
+        self.interval = check_int("interval", interval, 2)
+        if link is not None and not isinstance(link, LinkMeasurement):
+            raise ValueError(f"`link` must be a LinkMeasurement or None; received link={link!r}")
+        self.link = link
+        self.eta = eta
+        self.critical_level = critical_level
+        self.pinned = dict(pinned or {})
+        self.verbose = verbose
+        self.tuner: AutoTuner | None = None
+        #: seconds spent measuring and deciding (not training)
+        self.overhead = 0.0
+        self._times: list[float] = []
+        self._last: float | None = None
+        self._steps = 0
+
+    @property
+    def decisions(self) -> list[Decision]:
+        return [] if self.tuner is None else list(self.tuner.decisions)
+
+    def _optimizer(self):
+        opt = find_sparsified(self.model.optimizer)
+        if opt is None or not isinstance(opt.compressor, Auto):
+            raise ValueError(
+                "AutoCompression needs a model compiled with a SparsifiedOptimizer whose "
+                f"compressor is tf_sparsify.Auto(); got optimizer={self.model.optimizer!r}"
+            )
+        return opt
+
+    def on_train_begin(self, logs=None):
+        opt = self._optimizer()
+        if not opt.diagnostics_every:  # the gradient norms, before the step is traced
+            with self.model.distribute_strategy.scope():
+                opt.enable_diagnostics(max(1, self.interval // 4))
+            self.model.make_train_function(force=True)
+        self._last = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last = None  # the gap between epochs is no step
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        if self._last is not None:
+            self._times.append(now - self._last)
+        self._last = now
+        self._steps += 1
+        if self.tuner is None:
+            self._start()
+        else:
+            self._sample_norms()
+            if self._steps % self.interval == 0 and self._times and self._norms:
+                self._decide()
+
+    def _units(self, opt) -> list:
+        return sorted((u for u in opt.units if u.position is not None), key=lambda u: u.position)
+
+    def _start(self) -> None:
+        """After the first step (the optimizer is built): the link and the settings' costs."""
+        began = time.perf_counter()
+        opt = self._optimizer()
+        units = self._units(opt)
+        collective = opt.transport.job_collective()
+        if self.link is None and collective is not None:
+            self.link = measure_link(collective)
+        cluster = NO_LINK if self.link is None else self.link.cluster()
+        auto = opt.compressor
+        costs = seconds_per_element(
+            auto.settings, max((u.num_elements for u in units), default=1), collective
+        )
+        self.tuner = AutoTuner(
+            auto,
+            [tuple(u.shape) for u in units],
+            cluster,
+            costs,
+            eta=self.eta,
+            critical_level=self.critical_level,
+            late_buckets=opt.pipeline.options.late_buckets,
+            pinned=self._pinned_levels(opt, units, auto),
+        )
+        self._collective = collective
+        self._norms: list[list[float]] = []
+        self._sampled = int(opt.diagnostics_step.numpy())
+        self._times = []
+        self._last = time.perf_counter()
+        self.overhead += self._last - began
+
+    def _pinned_levels(self, opt, units: list, auto: Auto) -> dict[int, int]:
+        names = dict(zip((u.indices for u in opt.units), opt.diagnostics_names, strict=True))
+        positions = {names[u.indices]: u.position for u in units}
+        pinned = {}
+        for name, setting in self.pinned.items():
+            if name not in positions:
+                raise ValueError(
+                    f"`pinned` names a variable that is not compressed: {name!r}; the "
+                    f"compressed ones are {sorted(positions)}"
+                )
+            if setting not in auto.names:
+                raise ValueError(
+                    f"`pinned[{name!r}]` must be one of {list(auto.names)}; received {setting!r}"
+                )
+            pinned[positions[name]] = auto.names.index(setting)
+        return pinned
+
+    def _sample_norms(self) -> None:
+        """Each unit's gradient norm at the last step the diagnostics recorded, if new."""
+        opt = self._optimizer()
+        step = int(opt.diagnostics_step.numpy())
+        if step == self._sampled:
+            return
+        self._sampled = step
+        rows = {u.indices: r for r, u in enumerate(opt.units)}
+        grad_sq = opt.diagnostics.numpy()[:, 0]
+        self._norms.append([math.sqrt(grad_sq[rows[u.indices]]) for u in self._units(opt)])
+
+    def _decide(self) -> None:
+        began = time.perf_counter()
+        opt = self._optimizer()
+        measured, *norms = agree(
+            [statistics.median(self._times), *np.mean(self._norms, axis=0)], self._collective
+        )
+        before = self.tuner.levels
+        decision = self.tuner.decide(self._steps, measured, norms)
+        if decision.levels != before:
+            opt.set_compressor(self.tuner.auto)
+            self.model.make_train_function(force=True)
+            self._last = None  # the next step retraces: no step time
+        if self.verbose:
+            print(decision.summary())
+        self._times, self._norms = [], []
+        self.overhead += time.perf_counter() - began
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or self.tuner is None or not self.tuner.decisions:
+            return
+        last = self.tuner.decisions[-1]
+        logs["auto_measured_step_ms"] = 1e3 * last.measured
+        logs["auto_predicted_step_ms"] = 1e3 * last.predicted
+        for name in self.tuner.auto.names:
+            logs[f"auto_units_{name}"] = float(last.settings.count(name))
