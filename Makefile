@@ -28,8 +28,9 @@ setup: ops
 wheel: ops
 	$(PY) scripts/build_wheel.py
 
-# Horovod 0.28.1 built for this TensorFlow, through the installer the package ships.
-horovod: setup
+# Horovod 0.28.1 built for this TensorFlow, through the installer the package ships. It needs
+# the environment, not the kernels: `make -j2 setup horovod` builds both at once.
+horovod: $(VENV)/.installed
 	$(PY) -m tf_sparsify install-horovod
 
 # iproute2 (ip, tc) for the bandwidth benchmark's rate limits; a message where it cannot.
@@ -53,9 +54,11 @@ docs: $(VENV)/.installed
 bench-network: setup horovod sysdeps
 	$(PY) -m benchmarks.network $(BENCH_ARGS)
 
-# Two pytest workers (both cores); each test file stays on one, so its fixtures launch once. The
-# files that launch the most processes start first (tests/conftest.py orders them).
-test: setup horovod sysdeps lint
+# The kernels, Horovod and the lint at once (each build leaves a core idle part of its time);
+# then two pytest workers (both cores); each test file stays on one, so its fixtures launch
+# once. The files that launch the most processes start first (tests/conftest.py orders them).
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target setup horovod sysdeps lint
 	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The inner loop: every test but those that launch processes (pytest.mark.processes: Horovod,
