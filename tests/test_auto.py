@@ -194,9 +194,10 @@ def test_fit_changes_the_settings_between_steps_and_logs_them():
     assert logs["auto_predicted_step_ms"] > 0 and logs["auto_measured_step_ms"] > 0
 
 
-def test_under_mirrored_the_link_is_measured_and_it_stays_dense_on_one_machine():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with strategy.scope():
+def test_under_mirrored_the_link_is_measured_and_it_stays_dense_on_one_machine(mirrored2):
+    """The probe and the agreement run through the strategy's all-reduce (one strategy per
+    process: a second one's collectives would reuse the first one's instance keys)."""
+    with mirrored2.scope():
         model = _model()
         model.compile(
             tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.05), tfs.Auto()),

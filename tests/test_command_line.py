@@ -50,7 +50,7 @@ def test_install_horovod_runs_the_installer_in_the_package_that_make_and_scripts
     assert HOROVOD_INSTALLER.is_file()
     assert (Path(ROOT) / "scripts" / "install_horovod.sh").resolve() == HOROVOD_INSTALLER
     makefile = (Path(ROOT) / "Makefile").read_text()
-    assert "horovod: setup\n\t$(PY) -m tf_sparsify install-horovod\n" in makefile
+    assert "horovod: $(VENV)/.installed\n\t$(PY) -m tf_sparsify install-horovod\n" in makefile
 
 
 @pytest.mark.processes

@@ -302,6 +302,16 @@ def test_the_link_probe_measures_one_link_for_every_rank(exact):
     assert ranks[0]["bandwidth"] > 0
 
 
+def test_auto_decides_alike_on_every_rank(exact):
+    """``AutoCompression`` under Horovod: the link measured through Horovod's all-reduce, the
+    same decisions and measured steps on every rank, one decision per interval."""
+    ranks = _passed(exact, "auto")
+    assert ranks[0]["decisions"] == ranks[1]["decisions"] and ranks[0]["decisions"]
+    assert ranks[0]["measured"] == ranks[1]["measured"]
+    assert ranks[0]["link_workers"] == 2
+    assert len(ranks[0]["decisions"]) == 6  # 12 steps, a decision after every second
+
+
 def test_tape_with_momentum_correction_equals_the_optimizer(exact):
     """Custom loops get DGC momentum correction too, from the same state core."""
     _passed(exact, "tape_momentum_equals_optimizer")

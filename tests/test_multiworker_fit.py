@@ -96,7 +96,7 @@ def forward(ws: list[np.ndarray], x: np.ndarray) -> np.ndarray:
 
 #: what the shared launches train, one after another: TopK and Identity on NumPy arrays, and
 #: TopK on a tf.data.Dataset
-CONFIGS = "--configs=topk,identity,topk_dataset"
+CONFIGS = "--configs=topk,identity,topk_dataset,auto"
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,10 @@ def numpy_runs(tmp_path_factory, forks):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("config", ["topk", "identity"])
+@pytest.mark.parametrize("config", ["topk", "identity", "auto"])
 def test_workers_end_identical_with_global_history(numpy_runs, config):
+    """``auto``: the workers measure the link and the step together and decide alike (each
+    change of setting retraces the step on both)."""
     mw, _ = numpy_runs
     (a0, h0), (a1, h1) = result(mw, config, 0), result(mw, config, 1)
     for w0, w1 in zip(weights(a0), weights(a1), strict=True):

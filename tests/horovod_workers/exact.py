@@ -535,6 +535,26 @@ def check_probe_link(tmp: str) -> dict:
     return {"seconds": list(measured.seconds), "bandwidth": measured.link().bandwidth}
 
 
+def check_auto() -> dict:
+    """``Auto`` under Horovod's Keras optimizer: the link and the codec costs measured through
+    Horovod, the same decisions on every rank (a rank that chose otherwise would fail the plan
+    check by name), and equal weights at the end."""
+    x, y = shard(seed=13, n=96)
+    model = make_model()
+    opt = th.DistributedOptimizer(keras.optimizers.SGD(0.1), tfs.Auto())
+    model.compile(optimizer=opt, loss=LOSS, jit_compile=False)
+    auto = tfs.AutoCompression(interval=2)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[auto])
+    weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+    if not np.array_equal(*hvd.allgather_object(weights)):
+        raise AssertionError("the ranks' weights differ")
+    return {
+        "decisions": [list(d.settings) for d in auto.decisions],
+        "measured": [d.measured for d in auto.decisions],
+        "link_workers": auto.link.workers,
+    }
+
+
 def main() -> None:
     checks = Checks()
     for name in CONFIGS:
@@ -544,6 +564,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checks.run("exchange_checkpoint", lambda: check_exchange_checkpoint(tmp))
         checks.run("probe_link", lambda: check_probe_link(tmp))
+    checks.run("auto", check_auto)
     checks.run("tape_momentum_equals_optimizer", check_tape_momentum_equals_optimizer)
     checks.run("sparse_sgd_equals_dense", check_sparse_sgd_equals_dense)
     checks.run("identity_equals_horovod_average", check_identity_equals_horovod)

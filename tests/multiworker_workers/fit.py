@@ -8,7 +8,8 @@
 Under ``mwms`` the worker index comes from ``TF_CONFIG`` (``run_local_workers``); ``mirrored``
 runs one process with a 2-replica ``MirroredStrategy`` over logical CPU devices, for
 comparison, ``none`` one process without a strategy. Configurations run one after another:
-``topk``, ``identity`` (a SparsifiedOptimizer), ``plain`` (Keras' SGD), any of them with
+``topk``, ``identity``, ``auto`` (a SparsifiedOptimizer; ``auto`` with ``AutoCompression``
+deciding every 2 steps), ``plain`` (Keras' SGD), any of them with
 ``_dataset`` (its input a ``tf.data.Dataset`` whatever ``--data`` says), and ``enable``, which
 trains nothing and calls ``enable_multi_worker_fit()`` for those after it. Per configuration it
 writes
@@ -54,7 +55,8 @@ def make_optimizer(config: str):
     config = config.removesuffix("_dataset")
     if config == "plain":
         return keras.optimizers.SGD(0.05, momentum=0.9)
-    compressor = {"topk": tfs.TopK(ratio=0.1), "identity": tfs.Identity()}[config]
+    compressor = {"topk": tfs.TopK(ratio=0.1), "identity": tfs.Identity(), "auto": tfs.Auto()}
+    compressor = compressor[config]
     return tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), compressor)
 
 
@@ -167,6 +169,8 @@ def run(args) -> None:
             continue
         model = make_model(strategy, config)
         callbacks, record = [], RecordRestored()
+        if config.startswith("auto"):
+            callbacks.append(tfs.AutoCompression(interval=2))
         killed = worker == args.kill_worker
         if args.kill_before_backup is not None and killed:
             callbacks.append(KillBeforeBackup(args.kill_before_backup))
