@@ -219,3 +219,27 @@ def test_the_callback_needs_an_auto_compressor():
         tfs.AutoCompression(interval=1)
     with pytest.raises(ValueError, match="`link`"):
         tfs.AutoCompression(link="1gbit")
+
+
+def test_a_checkpoint_restores_the_decisions_with_the_residuals(tmp_path):
+    """The levels are state: a fresh ``Auto()`` restores them (and the residuals) exactly; an
+    ``Auto`` of other settings is another configuration and is refused by name."""
+    rng = np.random.default_rng(2)
+    variables = [keras.Variable(np.zeros((40, 50), np.float32))]
+    optimizer = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.Auto(levels=(3,)))
+    optimizer.build(variables)
+    optimizer.apply([tf.constant(rng.normal(size=(40, 50)).astype(np.float32))], variables)
+    path = tf.train.Checkpoint(optimizer=optimizer).write(str(tmp_path / "ckpt"))
+
+    fresh = [keras.Variable(np.zeros((40, 50), np.float32))]
+    restored = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.Auto())
+    restored.build(fresh)
+    tf.train.Checkpoint(optimizer=restored).read(path).assert_consumed()
+    assert restored.compressor == tfs.Auto(levels=(3,))
+    assert restored.units[0].compressor == tfs.TopK(ratio=0.001)
+    np.testing.assert_array_equal(restored.residuals[0].numpy(), optimizer.residuals[0].numpy())
+
+    other = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.Auto(densities=(0.05,)))
+    other.build([keras.Variable(np.zeros((40, 50), np.float32))])
+    with pytest.raises(ValueError, match="another configuration"):
+        tf.train.Checkpoint(optimizer=other).read(path)

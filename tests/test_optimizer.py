@@ -131,6 +131,29 @@ def test_update_is_mean_of_decompressed_payloads_without_dense_all_reduce(mirror
         np.testing.assert_allclose(per_replica[r].numpy(), (raw[r] / 2.0 - sent).numpy(), atol=1e-6)
 
 
+def test_fp16_payloads_and_dense_small_tensors_sum_in_one_round(mirrored2):
+    """FP16 kernels and fp32 biases (``skip_1d``) in one bucket: the replica context sums each
+    dtype in its own call (TensorFlow packs one call's tensors into one). Integer gradients:
+    the FP16 sums are exact, so the update is the mean gradient exactly."""
+    with mirrored2.scope():
+        variables = [keras.Variable(tf.zeros([6, 4])), keras.Variable(tf.zeros([4]))]
+        opt = tfs.SparsifiedOptimizer(keras.optimizers.SGD(1.0), tfs.FP16(), skip_1d=True)
+        opt.build(variables)
+    grads = [tf.reshape(tf.range(2 * 24, dtype=tf.float32), [2, 6, 4]), tf.ones([2, 4])]
+
+    @tf.function
+    def step():
+        def replica_fn():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            opt.apply_gradients([(g[r] / 2.0, v) for g, v in zip(grads, variables, strict=True)])
+
+        mirrored2.run(replica_fn)
+
+    step()
+    for g, v in zip(grads, variables, strict=True):
+        np.testing.assert_array_equal(-v.numpy(), tf.reduce_mean(g, axis=0).numpy())
+
+
 def test_counting_spy_sees_keras_dense_all_reduce(mirrored2, monkeypatch):
     spy = CountingAllReduce(monkeypatch)
     compile_fit(lambda: keras.optimizers.SGD(0.1), epochs=1, strategy=mirrored2)

@@ -28,6 +28,7 @@ COMPRESSORS = {
     "topk1": "TopK 1% + EF",
     "topk0.1": "TopK 0.1% + EF",
     "qsgd4": "QSGD s=4 (one bucket per tensor)",
+    "auto": "Auto (AutoCompression, a decision every 5 steps)",
     # one-step-late buckets (late_buckets): the last bucket for TopK, every bucket for dense
     "topk1_late": "TopK 1% + EF, last bucket a step late",
     "identity_late": "Identity (dense), every bucket a step late",
@@ -216,6 +217,7 @@ def make_compressor(name: str) -> tfs.Compressor:
         "topk1": lambda: tfs.TopK(ratio=0.01),
         "topk0.1": lambda: tfs.TopK(ratio=0.001),
         "qsgd4": lambda: tfs.QSGD(levels=4),
+        "auto": lambda: tfs.Auto(),
     }
     if name not in factories:
         raise ValueError(f"compressor {name!r}: choose from {tuple(factories)}")

@@ -51,7 +51,7 @@ DEFAULTS = {
         "models": "mlp10m,mobilenetv2",
         "rates": "1gbit,10gbit,unlimited",
         "compressors": (
-            "identity,fp16,bf16,topk1,topk0.1,qsgd4,topk1_late,identity_late,fp16_late,"
+            "identity,fp16,bf16,topk1,topk0.1,qsgd4,topk1_late,identity_late,fp16_late,auto,"
             "compute,compute_sync,exchange_topk1,exchange_identity,exchange_fp16,loop_topk1"
         ),
         "out": "outputs/network_bench",

@@ -77,6 +77,21 @@ class Trainer:
     compressor: str
     run: Callable[[int], list[float]]
     optimizer: tfs.SparsifiedOptimizer
+    #: the callback choosing Auto's settings (``auto`` only)
+    auto: tfs.AutoCompression | None = None
+
+
+#: steps between Auto's decisions in the benchmark (its warm-up should span a few)
+AUTO_INTERVAL = 5
+
+
+def auto_for(compressor: tfs.Compressor, model: keras.Model) -> tfs.AutoCompression | None:
+    """An ``AutoCompression`` bound to ``model`` when ``compressor`` is ``Auto``."""
+    if not isinstance(compressor, tfs.Auto):
+        return None
+    auto = tfs.AutoCompression(interval=AUTO_INTERVAL)
+    auto.set_model(model)
+    return auto
 
 
 def one_by_one(step: Callable[[], float]) -> Callable[[int], list[float]]:
@@ -139,14 +154,21 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
             optimizer.build(model.trainable_variables)
         inner = sgd(args) if local else optimizer
         model.compile(inner, loss_fn(), jit_compile=False)  # Horovod's ops are not XLA ops
+        auto = auto_for(compressor, model)
+        if auto is not None:  # train_on_batch runs no callbacks: the steps call it
+            auto.on_train_begin()
 
-        def step(model: keras.Model = model, sync: bool = name == "compute_sync") -> float:
+        def step(
+            model: keras.Model = model, sync: bool = name == "compute_sync", auto=auto
+        ) -> float:
             loss = float(model.train_on_batch(x, y))
             if sync:
                 hvd.allreduce(tf.zeros([]), name="lockstep")
+            if auto is not None:
+                auto.on_train_batch_end(0)
             return loss
 
-        trainers.append(Trainer(name, one_by_one(step), optimizer))
+        trainers.append(Trainer(name, one_by_one(step), optimizer, auto))
 
     def gather(seconds: list[float]) -> np.ndarray:
         mine = tf.constant([seconds], tf.float32)
@@ -227,8 +249,9 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Ga
         else:
             with strategy.scope():
                 model.compile(optimizer, loss_fn())
-            run = fit_steps(model, dataset)
-        trainers.append(Trainer(name, run, optimizer))
+            auto = auto_for(compressor, model)
+            run = fit_steps(model, dataset, [] if auto is None else [auto])
+        trainers.append(Trainer(name, run, optimizer, auto))
 
     def gather(seconds: list[float]) -> np.ndarray:
         def all_gather(t: tf.Tensor) -> tf.Tensor:
@@ -240,13 +263,17 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Ga
     return rank, size, trainers, gather
 
 
-def fit_steps(model: keras.Model, dataset: tf.data.Dataset) -> Callable[[int], list[float]]:
+def fit_steps(
+    model: keras.Model, dataset: tf.data.Dataset, callbacks: list | None = None
+) -> Callable[[int], list[float]]:
     """``run(n)``: one ``model.fit`` call of ``n`` steps, timed from its first step's start to
-    its last step's end (a ``fit`` call's set-up is paid once per call, not per step)."""
+    its last step's end (a ``fit`` call's set-up is paid once per call, not per step), with
+    ``callbacks`` besides the clock."""
     clock = StepClock()
 
     def run(steps: int) -> list[float]:
-        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[clock])
+        every = [clock, *(callbacks or [])]
+        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=every)
         return clock.step_seconds()
 
     return run
@@ -327,6 +354,21 @@ def summary(trainer: Trainer, windows: Windows) -> dict[str, Any]:
         "floor_windows_ms": windows.floor_ms,
         "steps": steps,
         "bytes_per_step": int(trainer.optimizer.bytes_sent.numpy()) // max(steps, 1),
+        **({} if trainer.auto is None else auto_summary(trainer.auto)),
+    }
+
+
+def auto_summary(auto: tfs.AutoCompression) -> dict[str, Any]:
+    """Auto's last decision: its settings per unit, the predicted and measured step."""
+    if not auto.decisions:
+        return {"auto_decisions": 0}
+    last = auto.decisions[-1]
+    return {
+        "auto_decisions": len(auto.decisions),
+        "auto_settings": list(last.settings),
+        "auto_predicted_ms": 1e3 * last.predicted,
+        "auto_measured_ms": 1e3 * last.measured,
+        "auto_overhead_s": auto.overhead,
     }
 
 

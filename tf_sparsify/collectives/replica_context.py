@@ -24,12 +24,16 @@ class ReplicaContextCollective(Collective):
         return tf.cast(self.context.replica_id_in_sync_group, tf.int32)
 
     def all_reduce_sum(self, tensors):
-        """Native all-reduce where TF's collectives take the dtype, else gather and add."""
+        """Native all-reduce where TF's collectives take the dtype (one call per dtype: TF
+        packs a call's tensors into one), else gather and add."""
         tensors = list(tensors)
-        native = [i for i, t in enumerate(tensors) if t.dtype in _REDUCIBLE]
+        by_dtype: dict[tf.DType, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if t.dtype in _REDUCIBLE:
+                by_dtype.setdefault(t.dtype, []).append(i)
         other = [i for i, t in enumerate(tensors) if t.dtype not in _REDUCIBLE]
         out: list[tf.Tensor | None] = [None] * len(tensors)
-        if native:
+        for native in by_dtype.values():
             reduced = self.context.all_reduce(
                 tf.distribute.ReduceOp.SUM, [tensors[i] for i in native]
             )

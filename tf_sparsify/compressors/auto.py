@@ -78,6 +78,9 @@ class Auto(Compressor):
         """The same settings, sent at ``levels``."""
         return Auto(self.densities, self.half, levels)
 
+    def without_decisions(self) -> Auto:
+        return self.with_levels(None)
+
     def for_unit(self, position: int, count: int) -> Compressor:
         """The setting of compressed unit ``position`` of ``count``; ValueError when ``levels``
         does not hold one level per unit."""

@@ -136,6 +136,11 @@ class Compressor(abc.ABC):
         order): this one, unless the compressor chooses per unit (``Auto``)."""
         return self
 
+    def without_decisions(self) -> Compressor:
+        """This compressor without what it decides while training (``Auto``'s levels): what
+        a checkpoint's configuration must match; the decisions are restored as state."""
+        return self
+
     def get_config(self) -> dict[str, Any]:
         return {}
 

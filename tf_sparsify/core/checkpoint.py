@@ -59,6 +59,9 @@ class Source(Protocol):
     def config(self) -> dict:
         """The configuration to record and compare (JSON values)."""
 
+    def adopt_decisions(self, saved_config: dict) -> None:
+        """Take the decisions of an adaptive compressor that ``saved_config`` records."""
+
 
 class StateCheckpoint(trackable.Trackable):
     """The checkpoint entry of one state core (its ``source``: see :class:`Source`)."""
@@ -155,6 +158,7 @@ class StateCheckpoint(trackable.Trackable):
         check_config(manifest, self._source.config(), self.accept_other_config)
         if self._source.built:
             check_entries(manifest, self._source.saved_entries(), self._source.config())
+        self._source.adopt_decisions(manifest["config"])
 
     def _apply(self, texts: list[bytes]) -> None:
         manifest = json.loads(texts[0])

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from tf_sparsify.compressors.base import deserialize, serialize
 from tf_sparsify.core.state_kinds import StateKind
 
 #: keys restored when both sides have them (diagnostics are a record, not training state)
@@ -50,7 +51,7 @@ def check_config(manifest: dict, config: dict, accept_other: bool) -> None:
     if manifest.get("format") != FORMAT:
         raise ValueError(f"Unknown tf_sparsify checkpoint format {manifest.get('format')!r}.")
     saved_config = manifest["config"]
-    if config != saved_config and not accept_other:
+    if without_decisions(config) != without_decisions(saved_config) and not accept_other:
         raise ValueError(
             "This checkpoint holds the exchange state of another configuration: saved "
             f"{json.dumps(saved_config, sort_keys=True)}, this exchange "
@@ -59,6 +60,13 @@ def check_config(manifest: dict, config: dict, accept_other: bool) -> None:
             "(`optimizer.exchange_checkpoint` / `exchange.exchange_checkpoint`) to carry "
             "residuals over where the variables are the same (e.g. another TopK ratio)."
         )
+
+
+def without_decisions(config: dict) -> dict:
+    """A recorded configuration without its compressor's decisions
+    (:meth:`~tf_sparsify.compressors.base.Compressor.without_decisions`)."""
+    compressor = deserialize(config["compressor"]).without_decisions()
+    return {**config, "compressor": json.loads(json.dumps(serialize(compressor), default=str))}
 
 
 def check_entries(manifest: dict, entries: list[Entry], config: dict) -> None:

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tf_sparsify.collectives import Collective
 from tf_sparsify.common.checks import check_int
 from tf_sparsify.compat import moved_names
+from tf_sparsify.compressors.base import deserialize
 from tf_sparsify.core import late, replica_values
 from tf_sparsify.core.checkpoint import StateCheckpoint
 from tf_sparsify.core.checkpoint_manifest import Entry
@@ -194,24 +195,46 @@ class CompressionState:
                 "diagnostics_step", (), tf.int64, StateKind.SHARED
             )
 
-    def set_pipeline(self, pipeline: GradientPipeline, variables: Sequence | None) -> None:
-        """Use ``pipeline`` from now on; when built (``variables`` given), its plan must need
-        the same buffers, which carry over."""
+    def set_pipeline(self, pipeline: GradientPipeline, variables: Sequence | None = None) -> None:
+        """Use ``pipeline`` from now on; when built, it is planned for the same variables (the
+        planned ones unless ``variables`` are given) and must need the same buffers, which
+        carry over."""
         self.transport.check(pipeline)
-        if variables is not None and self.built:
-            variables = self.transport.layout(variables)
-            shapes = [tf.TensorShape(v.shape) for v in variables]
-            units = pipeline.plan(shapes, [tf.as_dtype(v.dtype) for v in variables])
-            n = len(variables)
+        if self.built:
+            if variables is None:
+                planned = {
+                    i: (s, u.dtype)
+                    for u in self.units
+                    for i, s in zip(u.indices, u.shapes, strict=True)
+                }
+                shapes, dtypes = zip(*(planned[i] for i in range(len(planned))), strict=True)
+                names = {u.indices: name for u, name in zip(self.units, self.names, strict=True)}
+            else:
+                variables = self.transport.layout(variables)
+                shapes = [tf.TensorShape(v.shape) for v in variables]
+                dtypes = [tf.as_dtype(v.dtype) for v in variables]
+                paths = [getattr(v, "path", None) or v.name for v in variables]
+            units = pipeline.plan(list(shapes), list(dtypes))
+            n = len(shapes)
             if pipeline.needs_residual(units, n) != self.pipeline.needs_residual(self.units, n):
                 raise ValueError(
                     f"compressor={pipeline.compressor!r} needs other residual buffers than the "
                     "state was built with."
                 )
+            if variables is None:
+                self.names = tuple(names[u.indices] for u in units)
+            else:
+                self.names = tuple(_unit_name(u, paths) for u in units)
             self.units = units
-            names = [getattr(v, "path", None) or v.name for v in variables]
-            self.names = tuple(_unit_name(u, names) for u in units)
         self.pipeline = pipeline
+
+    def adopt_decisions(self, saved_config: dict) -> None:
+        """Take the settings an adaptive compressor had decided when a checkpoint was written
+        (``Compressor.without_decisions``: they are state, restored with the residuals)."""
+        saved = deserialize(saved_config["compressor"])
+        current = self.pipeline.compressor
+        if saved != current and saved.without_decisions() == current.without_decisions():
+            self.set_pipeline(self.pipeline.with_compressor(saved))
 
     @property
     def bytes_per_step(self) -> tuple[int, int]:
