@@ -111,7 +111,7 @@ def test_a_row_per_backend_and_compressor(quick):
             assert row["x_dense"] > 0 and row["x_fp16"] > 0
         assert rows[(backend, "identity")]["x_dense"] == 1.0
         assert rows[(backend, "fp16")]["x_fp16"] == 1.0
-        auto = rows[(backend, "auto")]  # a decision after the fifth step
+        auto = rows[(backend, "auto")]  # --quick: a decision every 5 steps
         assert auto["auto_decisions"] >= 1 and auto["auto_predicted_ms"] > 0
         assert set(auto["auto_settings"]) <= {"dense", "fp16", "topk1%", "topk0.1%"}
     assert data["complete"] is True
@@ -269,6 +269,7 @@ def test_bad_arguments_are_rejected(capsys):
         (["--mode", "accuracy", "--momentum", "0.9"], "--momentum is for --mode throughput"),
         (["--bucket-bytes", "0"], "--bucket-bytes is a positive size for --mode throughput"),
         (["--mode", "accuracy", "--bucket-bytes", "4096"], "--bucket-bytes is a positive size"),
+        (["--auto-interval", "1"], "--auto-interval must be >= 2, got 1"),
     ):
         with pytest.raises(SystemExit):
             run.parse_args(argv)

@@ -28,7 +28,7 @@ COMPRESSORS = {
     "topk1": "TopK 1% + EF",
     "topk0.1": "TopK 0.1% + EF",
     "qsgd4": "QSGD s=4 (one bucket per tensor)",
-    "auto": "Auto (AutoCompression, a decision every 5 steps)",
+    "auto": "Auto (AutoCompression)",
     # one-step-late buckets (late_buckets): the last bucket for TopK, every bucket for dense
     "topk1_late": "TopK 1% + EF, last bucket a step late",
     "identity_late": "Identity (dense), every bucket a step late",

@@ -64,7 +64,14 @@ DEFAULTS = {
     },
 }
 #: --quick: these settings, and each model replaced by its QUICK_MODELS entry
-QUICK = {"rates": UNLIMITED, "rounds": 2, "window": 3, "warmup": 2, "epochs": 2}
+QUICK = {
+    "rates": UNLIMITED,
+    "rounds": 2,
+    "window": 3,
+    "warmup": 2,
+    "epochs": 2,
+    "auto_interval": 5,
+}
 #: the names --models takes, by mode
 MODEL_NAMES = {"throughput": MODELS, "accuracy": tuple(TASKS)}
 
@@ -88,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="timed windows per configuration")
     p.add_argument("--window", type=int, default=10, help="steps per timed window")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    p.add_argument(
+        "--auto-interval",
+        type=int,
+        default=20,
+        help="steps between Auto's decisions (let --warmup span three: e.g. --warmup 60)",
+    )
     p.add_argument(
         "--batch",
         type=int,
@@ -171,6 +184,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     counts = (args.np, args.rounds, args.window, args.warmup, args.epochs, args.batch)
     if min(c for c in counts if c is not None) < 1:
         p.error("--np, --rounds, --window, --warmup, --epochs and --batch must be >= 1")
+    if args.auto_interval < 2:
+        p.error(f"--auto-interval must be >= 2, got {args.auto_interval}")
     return args
 
 
@@ -229,6 +244,7 @@ def throughput_jobs(args: argparse.Namespace, shaped: bool, tmp: str, rows: list
             *(() if args.bucket_bytes is None else ("--bucket-bytes", str(args.bucket_bytes))),
             *("--rounds", str(args.rounds), "--window", str(args.window)),
             *("--threads", str(args.threads), "--timeout", str(args.timeout)),
+            *("--auto-interval", str(args.auto_interval)),
         ]
         with link(rate, shaped) as prefix:
             if backend == "horovod":

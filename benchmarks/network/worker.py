@@ -81,15 +81,14 @@ class Trainer:
     auto: tfs.AutoCompression | None = None
 
 
-#: steps between Auto's decisions in the benchmark (its warm-up should span a few)
-AUTO_INTERVAL = 5
-
-
-def auto_for(compressor: tfs.Compressor, model: keras.Model) -> tfs.AutoCompression | None:
-    """An ``AutoCompression`` bound to ``model`` when ``compressor`` is ``Auto``."""
+def auto_for(
+    compressor: tfs.Compressor, model: keras.Model, interval: int
+) -> tfs.AutoCompression | None:
+    """An ``AutoCompression`` deciding every ``interval`` steps, bound to ``model``, when
+    ``compressor`` is ``Auto``."""
     if not isinstance(compressor, tfs.Auto):
         return None
-    auto = tfs.AutoCompression(interval=AUTO_INTERVAL)
+    auto = tfs.AutoCompression(interval=interval)
     auto.set_model(model)
     return auto
 
@@ -154,7 +153,7 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
             optimizer.build(model.trainable_variables)
         inner = sgd(args) if local else optimizer
         model.compile(inner, loss_fn(), jit_compile=False)  # Horovod's ops are not XLA ops
-        auto = auto_for(compressor, model)
+        auto = auto_for(compressor, model, args.auto_interval)
         if auto is not None:  # train_on_batch runs no callbacks: the steps call it
             auto.on_train_begin()
 
@@ -249,7 +248,7 @@ def mwms_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer], Ga
         else:
             with strategy.scope():
                 model.compile(optimizer, loss_fn())
-            auto = auto_for(compressor, model)
+            auto = auto_for(compressor, model, args.auto_interval)
             run = fit_steps(model, dataset, [] if auto is None else [auto])
         trainers.append(Trainer(name, run, optimizer, auto))
 
@@ -385,6 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.0, help="the inner SGD's momentum")
     p.add_argument("--bucket-bytes", type=int, default=None, help="the exchange's bucket_bytes")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--auto-interval", type=int, default=20, help="steps between Auto's decisions")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
