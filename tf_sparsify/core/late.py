@@ -16,12 +16,16 @@ compressed contributions, applied one step late.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
+from tf_sparsify.collectives import Collective
+from tf_sparsify.core import replica_values
 from tf_sparsify.core.plan import Unit
-from tf_sparsify.core.step import StepResult
+from tf_sparsify.core.step import StepFlags, StepMemory, StepResult
 
 
 def late_variables(units: Sequence[Unit], num_variables: int, mode: str) -> list[bool]:
@@ -85,3 +89,32 @@ def flush_gradients(late: Sequence[bool], variables: Sequence) -> list:
         tf.zeros(v.shape, v.dtype) if is_late else None
         for v, is_late in zip(variables, late, strict=True)
     ]
+
+
+def run_late_then_now(
+    state: Any, grads: list, memory: StepMemory, collective: Collective, flags: StepFlags
+) -> StepResult:
+    """One step of ``state`` (a :class:`~tf_sparsify.core.state.CompressionState` with late
+    units): the in-flight gradients of the late units (keyed by the step they were computed
+    in, as if sent then), then this step's of the others, through the pipeline; this step's
+    late gradients go in flight."""
+    # an identity in the replica's device scope: a traced read of a sync-on-read variable has
+    # no device, which MultiWorkerMirroredStrategy's all-reduce refuses
+    arrived = [
+        None if v is None else tf.identity(v)
+        for v in replica_values.current_values(state.in_flight)
+    ]
+    late_grads, now = split(grads, late_in_step(state.late, grads))
+    sent = [a if g is not None else None for a, g in zip(arrived, late_grads, strict=True)]
+    computed_in = dataclasses.replace(memory, iteration=state.step - 1)
+    parts = [(sent, computed_in), (now, memory)]
+    results = [
+        state.transport.run_pipeline(state.pipeline, state.units, g, m, collective, flags)
+        for g, m in parts
+        if any(x is not None for x in g)  # a run with nothing to send is left out
+    ]
+    result = results[0] if len(results) == 1 else merge(*results)
+    for buffer, g in zip(state.in_flight, late_grads, strict=True):
+        if buffer is not None and g is not None:
+            buffer.assign(tf.convert_to_tensor(g))
+    return result

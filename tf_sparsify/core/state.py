@@ -123,29 +123,13 @@ class CompressionState:
         replica_values.check_in_scope(variables)
         self.transport.build()
         variables = self.transport.layout(variables)
-        shapes = [tf.TensorShape(v.shape) for v in variables]
-        dtypes = [tf.as_dtype(v.dtype) for v in variables]
-        names = [getattr(v, "path", None) or v.name for v in variables]
+        names = [_path(v) for v in variables]
         leaves = [_leaf(v.name) for v in variables]
-        self.units = self.pipeline.plan(shapes, dtypes)
+        self.units, self.names = plan_for(self.pipeline, variables)
         lead = () if self.workers is None else (self.workers,)
 
         def buffers(needs: list[bool], slot: str) -> list:
-            return [
-                self.new_variable(
-                    f"{slot}/{i}",
-                    lead + tuple(s),
-                    d,
-                    StateKind.PER_REPLICA,
-                    f"{leaf}_{slot}",
-                    names[i],
-                )
-                if need
-                else None
-                for i, (leaf, s, d, need) in enumerate(
-                    zip(leaves, shapes, dtypes, needs, strict=True)
-                )
-            ]
+            return per_variable_buffers(self.new_variable, needs, slot, lead, variables, names)
 
         self.residuals = buffers(
             self.pipeline.needs_residual(self.units, len(variables)), "residual"
@@ -155,7 +139,6 @@ class CompressionState:
             self.units, len(variables), self.pipeline.options.late_buckets
         )
         self.in_flight = buffers(self.late, "in_flight")
-        self.names = tuple(_unit_name(u, names) for u in self.units)
         self.states = [
             tuple(
                 self.new_variable(
@@ -202,30 +185,16 @@ class CompressionState:
         self.transport.check(pipeline)
         if self.built:
             if variables is None:
-                planned = {
-                    i: (s, u.dtype)
-                    for u in self.units
-                    for i, s in zip(u.indices, u.shapes, strict=True)
-                }
-                shapes, dtypes = zip(*(planned[i] for i in range(len(planned))), strict=True)
-                names = {u.indices: name for u, name in zip(self.units, self.names, strict=True)}
+                units, names = replanned(pipeline, self.units, self.names)
             else:
-                variables = self.transport.layout(variables)
-                shapes = [tf.TensorShape(v.shape) for v in variables]
-                dtypes = [tf.as_dtype(v.dtype) for v in variables]
-                paths = [getattr(v, "path", None) or v.name for v in variables]
-            units = pipeline.plan(list(shapes), list(dtypes))
-            n = len(shapes)
+                units, names = plan_for(pipeline, self.transport.layout(variables))
+            n = sum(len(u.indices) for u in units)
             if pipeline.needs_residual(units, n) != self.pipeline.needs_residual(self.units, n):
                 raise ValueError(
                     f"compressor={pipeline.compressor!r} needs other residual buffers than the "
                     "state was built with."
                 )
-            if variables is None:
-                self.names = tuple(names[u.indices] for u in units)
-            else:
-                self.names = tuple(_unit_name(u, paths) for u in units)
-            self.units = units
+            self.units, self.names = units, names
         self.pipeline = pipeline
 
     def adopt_decisions(self, saved_config: dict) -> None:
@@ -276,7 +245,7 @@ class CompressionState:
         )
         flags = StepFlags(record, per_replica, sparse_updates)
         if any(self.late):
-            result = self._run_late_then_now(grads, memory, collective, flags)
+            result = late.run_late_then_now(self, grads, memory, collective, flags)
         else:
             result = self.transport.run_pipeline(
                 self.pipeline, self.units, grads, memory, collective, flags
@@ -286,33 +255,6 @@ class CompressionState:
         if finish is not None:
             result = finish(result)
         self._write_back(result, record)
-        return result
-
-    def _run_late_then_now(
-        self, grads: list, memory: StepMemory, collective: Collective, flags: StepFlags
-    ) -> StepResult:
-        """The in-flight gradients of the late units (keyed by the step they were computed
-        in, as if sent then), then this step's of the others, through the pipeline; this
-        step's late gradients go in flight."""
-        # an identity in the replica's device scope: a traced read of a sync-on-read variable
-        # has no device, which MultiWorkerMirroredStrategy's all-reduce refuses
-        arrived = [
-            None if v is None else tf.identity(v)
-            for v in replica_values.current_values(self.in_flight)
-        ]
-        late_grads, now = late.split(grads, late.late_in_step(self.late, grads))
-        sent = [a if g is not None else None for a, g in zip(arrived, late_grads, strict=True)]
-        computed_in = dataclasses.replace(memory, iteration=self.step - 1)
-        parts = [(sent, computed_in), (now, memory)]
-        results = [
-            self.transport.run_pipeline(self.pipeline, self.units, g, m, collective, flags)
-            for g, m in parts
-            if any(x is not None for x in g)  # a run with nothing to send is left out
-        ]
-        result = results[0] if len(results) == 1 else late.merge(*results)
-        for buffer, g in zip(self.in_flight, late_grads, strict=True):
-            if buffer is not None and g is not None:
-                buffer.assign(tf.convert_to_tensor(g))
         return result
 
     def _write_back(self, result: StepResult, record) -> None:
@@ -339,6 +281,48 @@ class CompressionState:
         self.bytes_sent.assign_add(result.sent_bytes[0])
         self.dense_bytes.assign_add(result.sent_bytes[1])
         self.step.assign_add(1)
+
+
+def per_variable_buffers(
+    new_variable: Callable, needs: Sequence[bool], slot: str, lead: tuple, variables, names
+) -> list:
+    """A zero buffer (per replica) like each variable that ``needs`` one, else None."""
+    return [
+        new_variable(
+            f"{slot}/{i}",
+            lead + tuple(v.shape),
+            tf.as_dtype(v.dtype),
+            StateKind.PER_REPLICA,
+            f"{_leaf(v.name)}_{slot}",
+            names[i],
+        )
+        if need
+        else None
+        for i, (v, need) in enumerate(zip(variables, needs, strict=True))
+    ]
+
+
+def plan_for(pipeline: GradientPipeline, variables: Sequence) -> tuple[list[Unit], tuple[str, ...]]:
+    """``pipeline``'s units for ``variables`` (in the transport's layout), and their names."""
+    shapes = [tf.TensorShape(v.shape) for v in variables]
+    units = pipeline.plan(shapes, [tf.as_dtype(v.dtype) for v in variables])
+    paths = [_path(v) for v in variables]
+    return units, tuple(_unit_name(u, paths) for u in units)
+
+
+def replanned(
+    pipeline: GradientPipeline, units: Sequence[Unit], names: Sequence[str]
+) -> tuple[list[Unit], tuple[str, ...]]:
+    """``pipeline``'s units for the variables ``units`` were planned for, named as before."""
+    planned = {i: (s, u.dtype) for u in units for i, s in zip(u.indices, u.shapes, strict=True)}
+    shapes, dtypes = zip(*(planned[i] for i in range(len(planned))), strict=True)
+    new = pipeline.plan(list(shapes), list(dtypes))
+    by_indices = dict(zip((u.indices for u in units), names, strict=True))
+    return new, tuple(by_indices[u.indices] for u in new)
+
+
+def _path(variable) -> str:
+    return getattr(variable, "path", None) or variable.name
 
 
 def _leaf(name: str) -> str:
