@@ -4,7 +4,6 @@ hides under the exchange), then agreed over the ranks."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -13,7 +12,7 @@ import tensorflow as tf
 from tf_sparsify.collectives.base import Collective
 from tf_sparsify.common.checks import check_int
 from tf_sparsify.compressors.base import Codec
-from tf_sparsify.core.link_probe import agree
+from tf_sparsify.core.link_probe import agree, median_seconds
 
 
 def seconds_per_element(
@@ -37,11 +36,8 @@ def seconds_per_element(
             payload, ctx, remainder = codec.compress_with_feedback(x, residual, step=0)
             return codec.decompress(payload, ctx), remainder
 
-        tf.nest.map_structure(lambda t: t.numpy(), round_trip(x, residual))  # trace, warm up
-        times = []
-        for _ in range(repeats):
-            start = clock()
-            tf.nest.map_structure(lambda t: t.numpy(), round_trip(x, residual))
-            times.append(clock() - start)
-        costs.append(statistics.median(times) / n)
+        def call(round_trip=round_trip):
+            return tf.nest.map_structure(lambda t: t.numpy(), round_trip(x, residual))
+
+        costs.append(median_seconds(call, repeats, clock) / n)
     return agree(costs, collective)

@@ -39,15 +39,21 @@ def measure_link(
     medians = []
     for size in payload_bytes:
         payload = tf.ones([size // 4], tf.float32)
-        reduce(payload).numpy()  # warm-up: the trace, negotiation, buffers
-        times = []
-        for _ in range(repeats):
-            start = clock()
-            reduce(payload).numpy()
-            times.append(clock() - start)
-        medians.append(statistics.median(times))
+        medians.append(median_seconds(lambda p=payload: reduce(p).numpy(), repeats, clock))
     seconds = agree(medians, collective)
     return LinkMeasurement(collective.num_replicas, tuple(payload_bytes), tuple(seconds))
+
+
+def median_seconds(call: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
+    """``call()`` once to warm up (the trace, negotiation, buffers), then the median time of
+    ``repeats`` more calls; ``call`` must wait for its result."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        call()
+        times.append(clock() - start)
+    return statistics.median(times)
 
 
 def agree(values: Sequence[float], collective: Collective | None) -> list[float]:
