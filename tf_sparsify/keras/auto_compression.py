@@ -139,6 +139,10 @@ class AutoCompression(keras.callbacks.Callback):
             pinned=self._pinned_levels(opt, units, auto),
         )
         self._collective = collective
+        self._opt = opt
+        # the diagnostics row of each compressed unit (a change of setting keeps the units)
+        rows = {u.indices: r for r, u in enumerate(opt.units)}
+        self._rows = [rows[u.indices] for u in units]
         self._norms: list[list[float]] = []
         self._sampled = int(opt.diagnostics_step.numpy())
         self._times = []
@@ -164,25 +168,22 @@ class AutoCompression(keras.callbacks.Callback):
 
     def _sample_norms(self) -> None:
         """Each unit's gradient norm at the last step the diagnostics recorded, if new."""
-        opt = self._optimizer()
-        step = int(opt.diagnostics_step.numpy())
+        step = int(self._opt.diagnostics_step.numpy())
         if step == self._sampled:
             return
         self._sampled = step
-        rows = {u.indices: r for r, u in enumerate(opt.units)}
-        grad_sq = opt.diagnostics.numpy()[:, 0]
-        self._norms.append([math.sqrt(grad_sq[rows[u.indices]]) for u in self._units(opt)])
+        grad_sq = self._opt.diagnostics.numpy()[self._rows, 0]
+        self._norms.append([math.sqrt(g) for g in grad_sq])
 
     def _decide(self) -> None:
         began = time.perf_counter()
-        opt = self._optimizer()
         measured, *norms = agree(
             [statistics.median(self._times), *np.mean(self._norms, axis=0)], self._collective
         )
         before = self.tuner.levels
         decision = self.tuner.decide(self._steps, measured, norms)
         if decision.levels != before:
-            opt.set_compressor(self.tuner.auto)
+            self._opt.set_compressor(self.tuner.auto)
             self.model.make_train_function(force=True)
             self._last = None  # the next step retraces: no step time
         if self.verbose:
