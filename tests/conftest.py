@@ -11,12 +11,13 @@ import ast
 import inspect
 import os
 import re
-import subprocess
-import sys
+import tempfile
 import textwrap
 
 import pytest
 import tensorflow as tf
+
+from tests.script_runner import run_forked
 
 # XLA's LLVM backend compiles the tests' steps at -O0: the same HLO and, with fast math off
 # (XLA's default), the same IEEE results, for about 15 % less CPU in tests/test_xla.py. XLA
@@ -25,7 +26,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The ops' float dtypes, their names in the NumPy reference, and unsigned ints of their width.
 KIND = {
     tf.float16: "float16",
@@ -56,16 +56,14 @@ def mirrored2() -> tf.distribute.MirroredStrategy:
 
 
 def run_python(code: str, timeout: int = 300, env: dict | None = None) -> str:
-    """Run ``code`` in a fresh interpreter (repo on the path); return stdout, fail on error."""
-    full_env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=ROOT,
-    )
+    """Run ``code`` in a new process, a fork of a warm interpreter with TensorFlow imported
+    and not started (:func:`tests.script_runner.run_forked`), in the repository's folder;
+    return its stdout, fail on error."""
+    with tempfile.TemporaryDirectory() as folder:
+        script = os.path.join(folder, "code.py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(textwrap.dedent(code))
+        proc = run_forked(script, env=env, timeout=timeout)
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -73,7 +71,7 @@ def run_python(code: str, timeout: int = 300, env: dict | None = None) -> str:
 # -- test selection and order ------------------------------------------------------------------
 #: what in a function's own code launches a process or needs Horovod (built by `make horovod`)
 LAUNCHES = re.compile(
-    r"\b(?:run_python|run_local_workers|horovodrun|subprocess\.(?:run|Popen|check_call"
+    r"\b(?:run_python|run_forked|run_local_workers|horovodrun|subprocess\.(?:run|Popen|check_call"
     r"|check_output))\(|\bimport horovod\b|\bfrom horovod\b|\btf_sparsify\.horovod\b"
 )
 _launchers: dict[str, set[str]] = {}

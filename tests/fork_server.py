@@ -4,9 +4,11 @@ TensorFlow, Keras, tf_sparsify and scikit-learn, so a script skips the ~5 s of i
 Only imports happen before the fork: TensorFlow's runtime is not started (a script may still
 configure its devices), and no thread but the main one holds Python state. The server reads one
 JSON request a line on stdin, ``{"script": PATH, "output": FILE, "timeout": S}`` (optionally
-``"argv": [...]``), runs the script as ``__main__`` in a child (in its folder, stdout and
-stderr into ``output``, stdin empty) and answers one JSON line on stdout, ``{"returncode": N}``:
-the exit status, ``-signal`` when killed, ``null`` when it ran past ``timeout`` and was killed.
+``"argv": [...]``, ``"env": {...}`` to add to its environment, ``"cwd": DIR`` to run it there
+instead of in its folder, ``"errors": FILE`` for its stderr), runs the script as ``__main__``
+in a child (stdout and stderr into ``output``, stdin empty) and answers one JSON line on
+stdout, ``{"returncode": N}``: the exit status, ``-signal`` when killed, ``null`` when it ran
+past ``timeout`` and was killed.
 
 A request with ``"workers": [{"output": FILE, "env": {...}}, ...]`` instead of ``"output"``
 runs one child per worker at once, each with its environment variables added (e.g. a
@@ -33,25 +35,32 @@ import tf_sparsify  # noqa: F401
 POLL_S = 0.02
 
 
-def _run_child(script: str, output: str, argv: list[str]) -> None:
-    """In the fork: run ``script`` with stdout and stderr into ``output``, then exit."""
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    exit_as_python(run_script(script, argv))
+def _open_for_writing(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
 
-def _fork(script: str, output: str, argv: list[str], env: dict[str, str]) -> int:
-    """The pid of a child running ``script`` with ``env`` added to its environment."""
+def _run_child(script: str, argv: list[str], request: dict) -> None:
+    """In the fork: run ``script`` with stdout into ``request["output"]`` (stderr too, unless
+    ``request["errors"]`` names a file for it), in ``request["cwd"]`` or the script's folder,
+    then exit."""
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(_open_for_writing(request["output"]), 1)
+    os.dup2(_open_for_writing(request["errors"]) if "errors" in request else 1, 2)
+    if "cwd" in request:
+        os.chdir(request["cwd"])
+    exit_as_python(run_script(script, argv, in_its_folder="cwd" not in request))
+
+
+def _fork(script: str, argv: list[str], request: dict) -> int:
+    """The pid of a child running ``script`` as ``request`` says, with ``request["env"]`` (if
+    any) added to its environment."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         try:
-            os.environ.update(env)
-            _run_child(script, output, argv)
+            os.environ.update(request.get("env", {}))
+            _run_child(script, argv, request)
         finally:
             os._exit(1)
     return pid
@@ -100,14 +109,11 @@ def serve() -> None:
         request = json.loads(line)
         script, argv = request["script"], request.get("argv", [])
         if "workers" in request:
-            pids = [
-                _fork(script, worker["output"], argv, worker.get("env", {}))
-                for worker in request["workers"]
-            ]
+            pids = [_fork(script, argv, worker) for worker in request["workers"]]
             codes, timed_out = _wait_all(pids, float(request["timeout"]))
             answer = {"returncodes": codes, "timed_out": timed_out}
         else:
-            pid = _fork(script, request["output"], argv, {})
+            pid = _fork(script, argv, request)
             answer = {"returncode": _wait(pid, float(request["timeout"]))}
         print(json.dumps(answer), flush=True)
 

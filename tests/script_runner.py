@@ -9,9 +9,12 @@ import os
 import runpy
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Sequence
 from typing import NoReturn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_script(script: str, argv: Sequence[str] = (), in_its_folder: bool = True) -> int:
@@ -71,3 +74,40 @@ class ForkServer:
     def close(self) -> None:
         self.process.kill()
         self.process.wait()
+
+
+_shared: list[ForkServer] = []
+
+
+def shared_fork_server() -> ForkServer:
+    """This process's warm interpreter for one-off scripts (the repository on its path, C++
+    info logs off), started on first use and stopped when this process exits: the test files
+    of one pytest worker share its ~5 s of imports."""
+    if not _shared:
+        _shared.append(ForkServer({"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}))
+        atexit.register(_shared[0].close)
+    return _shared[0]
+
+
+def run_forked(
+    script: str,
+    argv: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    cwd: str = ROOT,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``python script *argv`` in ``cwd`` with ``env`` added, run in a fork of
+    :func:`shared_fork_server`: a process with TensorFlow imported but not started, as fresh as
+    a new one for everything the script does after its imports. ``returncode`` is None when it
+    ran past ``timeout`` and was killed."""
+    with tempfile.TemporaryDirectory() as folder:
+        output, errors = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        request = {"script": script, "argv": list(argv), "output": output, "errors": errors}
+        answer = shared_fork_server().ask(
+            {**request, "env": env or {}, "cwd": cwd, "timeout": timeout}
+        )
+        with open(output, encoding="utf-8", errors="replace") as out:
+            with open(errors, encoding="utf-8", errors="replace") as err:
+                return subprocess.CompletedProcess(
+                    [script, *argv], answer["returncode"], out.read(), err.read()
+                )

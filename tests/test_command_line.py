@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import tf_sparsify
-from tests.conftest import ROOT
+from tests.script_runner import ROOT
 from tf_sparsify.__main__ import COMMANDS, HOROVOD_INSTALLER, main
 
 

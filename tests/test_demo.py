@@ -10,24 +10,29 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.script_runner import ROOT, run_forked
 
-pytestmark = pytest.mark.processes  # the demo in a fresh interpreter
+pytestmark = pytest.mark.processes  # the demo in its own process
+DEMO = os.path.join(ROOT, "examples", "digits_demo.py")
 
 
-def run_demo(
-    *args: str, timeout: int = 300, log_level: str | None = "2"
-) -> subprocess.CompletedProcess:
-    """``examples/digits_demo.py`` with ``args`` in a fresh interpreter; ``log_level`` is the
-    ``TF_CPP_MIN_LOG_LEVEL`` the user set (None: not set)."""
+def run_demo(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``examples/digits_demo.py`` with ``args`` in a new process (a fork of a warm
+    interpreter, :func:`tests.script_runner.run_forked`)."""
+    return run_forked(DEMO, args, timeout=timeout)
+
+
+def run_fresh_demo(*args: str, log_level: str | None) -> subprocess.CompletedProcess:
+    """The demo in a fresh interpreter, where what TensorFlow logs at import shows;
+    ``log_level`` is the ``TF_CPP_MIN_LOG_LEVEL`` the user set (None: not set)."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     if log_level is not None:
         env["TF_CPP_MIN_LOG_LEVEL"] = log_level
     return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "digits_demo.py"), *args],
+        [sys.executable, DEMO, *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=300,
         env={**env, "PYTHONPATH": ROOT},
     )
 
@@ -107,8 +112,8 @@ def test_demo_is_quiet_unless_the_user_asks_for_tensorflow_logs(tmp_path):
     )
     uncontrolled = _log_sources(bare.stderr + bare.stdout)
     args = ("--epochs=1", "--compressors=dense", "--verbose=0", f"--out={tmp_path / 'q.png'}")
-    quiet = run_demo(*args, log_level=None)
+    quiet = run_fresh_demo(*args, log_level=None)
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     assert _log_sources(quiet.stderr + quiet.stdout) <= uncontrolled, quiet.stderr[-3000:]
-    loud = run_demo(*args, log_level="0")  # the user's own setting wins
+    loud = run_fresh_demo(*args, log_level="0")  # the user's own setting wins
     assert loud.returncode == 0 and CPP_LOG_LINE.search(loud.stderr)

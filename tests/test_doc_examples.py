@@ -21,18 +21,14 @@ of each on imports). Case ids are ``path:line`` of the opening fence.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.script_runner import ROOT, run_forked, shared_fork_server
 from tests.test_horovod import horovodrun
 from tf_sparsify.distribute.multiworker import free_ports, tf_config
 
@@ -123,64 +119,26 @@ def collect() -> list[Example]:
 EXAMPLES = collect()
 
 
-class ForkServer:
-    """Client of ``tests/fork_server.py``: runs scripts in forks of one warm interpreter."""
-
-    def __init__(self):
-        self.process = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tests", "fork_server.py")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **ENV},
-        )
-
-    def run(self, script: str, timeout: float) -> tuple[int | None, str]:
-        """``(exit status or None after a timeout, stdout and stderr)`` of ``script``, run in
-        its folder."""
-        output = os.path.join(os.path.dirname(script), "output.txt")
-        request = {"script": script, "output": output, "timeout": timeout}
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        answer = self.process.stdout.readline()
-        assert answer, f"the fork server exited with {self.process.wait()}"
-        with open(output, encoding="utf-8", errors="replace") as f:
-            return json.loads(answer)["returncode"], f.read()
-
-    def run_workers(self, script: str, workers: int, timeout: float) -> tuple[list[int], str]:
-        """``(exit statuses, outputs)`` of ``workers`` forks running ``script`` at once, each
-        with its ``TF_CONFIG``; once one fails or the time is up, the others are killed."""
-        ports = free_ports(workers)
-        folder = os.path.dirname(script)
-        outputs = [os.path.join(folder, f"worker{i}.txt") for i in range(workers)]
-        request = {
+def run_workers(script: str, workers: int, timeout: float) -> tuple[list[int], str]:
+    """``(exit statuses, outputs)`` of ``workers`` forks of the warm interpreter
+    (:func:`tests.script_runner.shared_fork_server`) running ``script`` at once, each with its
+    ``TF_CONFIG``; once one fails or the time is up, the others are killed."""
+    ports = free_ports(workers)
+    folder = os.path.dirname(script)
+    outputs = [os.path.join(folder, f"worker{i}.txt") for i in range(workers)]
+    env = [{**ENV, "TF_CONFIG": tf_config(ports, i)} for i in range(workers)]
+    answer = shared_fork_server().ask(
+        {
             "script": script,
             "timeout": timeout,
-            "workers": [
-                {"output": output, "env": {"TF_CONFIG": tf_config(ports, i)}}
-                for i, output in enumerate(outputs)
-            ],
+            "workers": [{"output": o, "env": e} for o, e in zip(outputs, env, strict=True)],
         }
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        answer = self.process.stdout.readline()
-        assert answer, f"the fork server exited with {self.process.wait()}"
-        report = []
-        for i, output in enumerate(outputs):
-            with open(output, encoding="utf-8", errors="replace") as f:
-                report.append(f"--- worker {i}:\n{f.read()[-3000:]}")
-        return json.loads(answer)["returncodes"], "\n".join(report)
-
-    def close(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-
-@pytest.fixture(scope="module")
-def fork_server() -> Iterator[ForkServer]:
-    server = ForkServer()
-    yield server
-    server.close()
+    )
+    report = []
+    for i, output in enumerate(outputs):
+        with open(output, encoding="utf-8", errors="replace") as f:
+            report.append(f"--- worker {i}:\n{f.read()[-3000:]}")
+    return answer["returncodes"], "\n".join(report)
 
 
 class HorovodBatches:
@@ -236,14 +194,13 @@ def test_example_runs(example: Example, tmp_path, monkeypatch, request):
             f"{example.id} failed under horovodrun (exit status by rank {statuses}):\n{out[-6000:]}"
         )
     elif example.launcher == "multiworker":
-        server = request.getfixturevalue("fork_server")
-        codes, out = server.run_workers(str(script), example.processes, TIMEOUT_S)
+        codes, out = run_workers(str(script), example.processes, TIMEOUT_S)
         assert codes == [0] * example.processes, (
             f"{example.id} failed as {example.processes} workers (exit statuses {codes}):\n{out}"
         )
     else:
-        server = request.getfixturevalue("fork_server")
-        code, out = server.run(str(script), TIMEOUT_S)
+        proc = run_forked(str(script), env=ENV, cwd=str(tmp_path), timeout=TIMEOUT_S)
+        code, out = proc.returncode, proc.stdout + proc.stderr
         status = f"exit {code}" if code is not None else f"killed after {TIMEOUT_S} s"
         assert code == 0, f"{example.id} failed ({status}):\n{out[-6000:]}"
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.script_runner import ROOT
 
 
 def test_the_site_builds_without_warnings(tmp_path):

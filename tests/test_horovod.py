@@ -33,7 +33,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ROOT
+from tests.script_runner import ROOT
 
 pytestmark = pytest.mark.processes  # every test runs under horovodrun or needs Horovod built
 

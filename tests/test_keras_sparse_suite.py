@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ElementTree
 import keras
 import pytest
 
-from tests.conftest import ROOT
+from tests.script_runner import ROOT
 
 pytestmark = pytest.mark.processes  # Keras's own tests in a subprocess
 

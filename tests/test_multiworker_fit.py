@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import ROOT, run_python
-from tests.script_runner import ForkServer
+from tests.conftest import run_python
+from tests.script_runner import ROOT, ForkServer, shared_fork_server
 from tf_sparsify.distribute.multiworker import free_ports, tf_config
 
 WORKER = os.path.join(ROOT, "tests", "multiworker_workers", "fit.py")
@@ -29,12 +29,10 @@ TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
-def forks():
+def forks() -> ForkServer:
     """A warm interpreter whose forks run the worker (``tests/fork_server.py``): each worker
     process skips the ~4 s of importing TensorFlow, Keras and tf_sparsify."""
-    server = ForkServer(ENV)
-    yield server
-    server.close()
+    return shared_fork_server()
 
 
 def launch(forks: ForkServer, out, *args: str, workers: int = 2) -> list[str]:

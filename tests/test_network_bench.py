@@ -37,7 +37,7 @@ from benchmarks.network.models import (
 from benchmarks.network.netns import PRETEND_NO_ROOT_ENV, shaped_namespace, unavailable_reason
 from benchmarks.network.steps import lockstep_floor, slowest_pace
 from benchmarks.network.tasks import TASKS
-from tests.conftest import ROOT
+from tests.script_runner import ROOT
 
 BACKENDS = ("horovod", "mwms")
 #: what each backend runs: the compressors and its own probes

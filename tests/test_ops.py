@@ -20,7 +20,8 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify.ops as ops
-from tests.conftest import DTYPES, KIND, ROOT, UINT
+from tests.conftest import DTYPES, KIND, UINT, run_python
+from tests.script_runner import ROOT
 from tf_sparsify.ops import dispatch, library
 from tf_sparsify.ops import pure_tf as reference
 from tf_sparsify.testing import numpy_reference as npref
@@ -624,12 +625,7 @@ def test_saved_model_loads_in_fresh_process(compiled, tmp_path):
         f"m = tf.saved_model.load({str(tmp_path)!r})\n"
         "print(m.topk(tf.constant([1., -5., 2., 0., 7., -1., 3., 0.])).numpy().tolist())"
     )
-    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().endswith("[1, 4]")
+    assert run_python(code, timeout=120).strip().endswith("[1, 4]")
 
 
 def test_fallback_warns_once(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from tests.conftest import ROOT
+from tests.script_runner import ROOT
 
 README = os.path.join(ROOT, "README.md")
 MAX_LINES = 250

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tf_sparsify as tfs
 from tests import sparse_allreduce_reference as reference
-from tests.conftest import ROOT
+from tests.script_runner import ROOT
 from tests.test_horovod import _launch, _passed
 from tests.test_optimizer import compile_fit
 from tf_sparsify.collectives import LocalCollective

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.script_runner import ROOT
 from tf_sparsify.analysis import whatif_cli as cli
 from tf_sparsify.step_model.link_fit import LinkMeasurement
 
