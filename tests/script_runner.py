@@ -102,12 +102,43 @@ def run_forked(
     ran past ``timeout`` and was killed."""
     with tempfile.TemporaryDirectory() as folder:
         output, errors = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        request = {"script": script, "argv": list(argv), "output": output, "errors": errors}
         answer = shared_fork_server().ask(
-            {**request, "env": env or {}, "cwd": cwd, "timeout": timeout}
+            {
+                "script": script,
+                "argv": list(argv),
+                "output": output,
+                "errors": errors,
+                "env": env or {},
+                "cwd": cwd,
+                "timeout": timeout,
+            }
         )
         with open(output, encoding="utf-8", errors="replace") as out:
             with open(errors, encoding="utf-8", errors="replace") as err:
                 return subprocess.CompletedProcess(
                     [script, *argv], answer["returncode"], out.read(), err.read()
                 )
+
+
+def run_forked_workers(
+    script: str, argv: Sequence[str], envs: Sequence[dict[str, str]], timeout: float
+) -> tuple[list[int | None], bool, list[str]]:
+    """One fork of :func:`shared_fork_server` per environment in ``envs`` (e.g. each with its
+    ``TF_CONFIG``), all running ``python script *argv`` at once in the script's folder, as
+    ``tf_sparsify.distribute.run_local_workers`` runs processes: once one fails or the time is
+    up, the others are killed. ``(exit statuses, whether the time ran out, outputs)``."""
+    with tempfile.TemporaryDirectory() as folder:
+        files = [os.path.join(folder, f"worker{i}.log") for i in range(len(envs))]
+        answer = shared_fork_server().ask(
+            {
+                "script": script,
+                "argv": list(argv),
+                "timeout": timeout,
+                "workers": [{"output": f, "env": e} for f, e in zip(files, envs, strict=True)],
+            }
+        )
+        outputs = []
+        for name in files:
+            with open(name, encoding="utf-8", errors="replace") as f:
+                outputs.append(f.read())
+    return answer["returncodes"], answer["timed_out"], outputs

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.script_runner import ROOT, run_forked, shared_fork_server
+from tests.script_runner import ROOT, run_forked, run_forked_workers
 from tests.test_horovod import horovodrun
 from tf_sparsify.distribute.multiworker import free_ports, tf_config
 
@@ -119,26 +119,14 @@ def collect() -> list[Example]:
 EXAMPLES = collect()
 
 
-def run_workers(script: str, workers: int, timeout: float) -> tuple[list[int], str]:
-    """``(exit statuses, outputs)`` of ``workers`` forks of the warm interpreter
-    (:func:`tests.script_runner.shared_fork_server`) running ``script`` at once, each with its
-    ``TF_CONFIG``; once one fails or the time is up, the others are killed."""
+def run_workers(script: str, workers: int, timeout: float) -> tuple[list[int | None], str]:
+    """``(exit statuses, outputs)`` of ``workers`` forks of the warm interpreter running
+    ``script`` at once, each with its ``TF_CONFIG`` (``script_runner.run_forked_workers``)."""
     ports = free_ports(workers)
-    folder = os.path.dirname(script)
-    outputs = [os.path.join(folder, f"worker{i}.txt") for i in range(workers)]
     env = [{**ENV, "TF_CONFIG": tf_config(ports, i)} for i in range(workers)]
-    answer = shared_fork_server().ask(
-        {
-            "script": script,
-            "timeout": timeout,
-            "workers": [{"output": o, "env": e} for o, e in zip(outputs, env, strict=True)],
-        }
-    )
-    report = []
-    for i, output in enumerate(outputs):
-        with open(output, encoding="utf-8", errors="replace") as f:
-            report.append(f"--- worker {i}:\n{f.read()[-3000:]}")
-    return answer["returncodes"], "\n".join(report)
+    codes, _, outputs = run_forked_workers(script, [], env, timeout)
+    report = [f"--- worker {i}:\n{output[-3000:]}" for i, output in enumerate(outputs)]
+    return codes, "\n".join(report)
 
 
 class HorovodBatches:

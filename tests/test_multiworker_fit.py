@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import h5py
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import run_python
-from tests.script_runner import ROOT, ForkServer, shared_fork_server
+from tests.script_runner import ROOT, ForkServer, run_forked_workers, shared_fork_server
 from tf_sparsify.distribute.multiworker import free_ports, tf_config
 
 WORKER = os.path.join(ROOT, "tests", "multiworker_workers", "fit.py")
@@ -40,29 +39,15 @@ def launch(forks: ForkServer, out, *args: str, workers: int = 2) -> list[str]:
     (forks, each with its ``TF_CONFIG``), as ``run_local_workers`` runs them: when one fails or
     the time runs out the others are killed, and a RuntimeError (TimeoutError) shows them."""
     ports = free_ports(workers)
-    with tempfile.TemporaryDirectory() as logs:
-        files = [os.path.join(logs, f"worker{i}.log") for i in range(workers)]
-        cpu_only = {"CUDA_VISIBLE_DEVICES": ""}
-        env = [{"TF_CONFIG": tf_config(ports, i), **cpu_only} for i in range(workers)]
-        answer = forks.ask(
-            {
-                "script": WORKER,
-                "argv": [f"--out={out}", *map(str, args)],
-                "timeout": TIMEOUT_S,
-                "workers": [{"output": f, "env": e} for f, e in zip(files, env, strict=True)],
-            }
-        )
-        outputs = []
-        for name in files:
-            with open(name, encoding="utf-8", errors="replace") as f:
-                outputs.append(f.read())
-    codes = answer["returncodes"]
+    env = [{"TF_CONFIG": tf_config(ports, i), "CUDA_VISIBLE_DEVICES": ""} for i in range(workers)]
+    argv = [f"--out={out}", *map(str, args)]
+    codes, timed_out, outputs = run_forked_workers(WORKER, argv, env, TIMEOUT_S)
     if any(code != 0 for code in codes):
         report = "\n".join(
             f"--- worker {i} (exit {c}):\n{o[-3000:]}"
             for i, (c, o) in enumerate(zip(codes, outputs, strict=True))
         )
-        if answer["timed_out"]:
+        if timed_out:
             raise TimeoutError(f"workers did not finish within {TIMEOUT_S} s\n{report}")
         raise RuntimeError(f"a worker failed\n{report}")
     return outputs
