@@ -101,30 +101,40 @@ def check_once(done: tf.Variable, fields: Sequence[tuple[str, str]]) -> tf.Tenso
 def assert_same(
     gathered: tf.Tensor, local: tf.Tensor, fields: Sequence[tuple[str, str]]
 ) -> tf.Tensor:
-    """An op that fails on every rank alike, naming the first field that differs, unless
-    every row of ``gathered`` (``[ranks, len(FIELDS)]``, every rank's :func:`stamp`) equals
-    this rank's ``local`` stamp."""
+    """A boolean tensor whose op fails on every rank alike, naming the first field that
+    differs, unless every row of ``gathered`` (``[ranks, len(FIELDS)]``, every rank's
+    :func:`stamp`) equals this rank's ``local`` stamp.
+
+    One ``Assert`` op, its message picked by the first differing column: no ``tf.cond`` per
+    field (each costs two traced branch graphs, and this runs in every traced step)."""
     size, rank = hvd.size(), hvd.rank()
     gathered = tf.ensure_shape(gathered, [size, len(fields)])
-    passed = tf.constant(True)
-    for i, (field, description) in enumerate(fields):
-        with tf.control_dependencies([passed]):
-            assertion = tf.debugging.assert_equal(
-                gathered[:, i],
-                tf.fill([size], local[i]),
-                message=(
-                    "tf_sparsify.horovod: the ranks are configured differently, they "
-                    f"differ in their {field}: rank {rank} of {size} has "
-                    f"{_short(description)}. "
-                    "Every rank must build the same model and the same optimizer/exchange "
-                    "(ranks_per_node, compressor, k or ratio, error feedback, scope, sizes, "
-                    "dtypes) and call set_compressor alike. "
-                    "Fingerprints of all ranks (x) and of this rank (y):"
-                ),
-            )
-        with tf.control_dependencies([assertion]):
-            passed = tf.identity(passed)
-    return passed
+    differs = tf.reduce_any(tf.not_equal(gathered, local[None]), axis=0)
+    first = tf.argmax(tf.cast(differs, tf.int32), output_type=tf.int32)
+    messages = tf.constant(
+        [
+            "tf_sparsify.horovod: the ranks are configured differently, they "
+            f"differ in their {field}: rank {rank} of {size} has {_short(description)}. "
+            "Every rank must build the same model and the same optimizer/exchange "
+            "(ranks_per_node, compressor, k or ratio, error feedback, scope, sizes, "
+            "dtypes) and call set_compressor alike."
+            for field, description in fields
+        ]
+    )
+    same = tf.logical_not(tf.reduce_any(differs))
+    assertion = tf.raw_ops.Assert(
+        condition=same,
+        data=[
+            tf.gather(messages, first),
+            "Fingerprints of that field, rank by rank:",
+            gathered[:, first],
+            "and on this rank:",
+            local[first],
+        ],
+        summarize=size,
+    )
+    with tf.control_dependencies([assertion]):
+        return tf.identity(same)
 
 
 def _hash(description: str) -> int:
