@@ -14,6 +14,7 @@ server kills its child. The server exits, killing its children, when its standar
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -104,6 +105,7 @@ def serve(path: str) -> None:
 
     import tf_sparsify  # noqa: F401
 
+    gc.freeze()  # the imports' objects outlive every rank: the collector skips them
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(sys.stdin, selectors.EVENT_READ)
