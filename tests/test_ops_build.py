@@ -50,6 +50,19 @@ def test_nvcc_version_is_read_from_the_compiler(tmp_path):
     assert build.cuda_archs(NVCC13)[0] == "75"
 
 
+def test_cxxflags_come_after_the_builds_own_and_change_the_command(monkeypatch):
+    """``CXXFLAGS=-O0`` overrides the build's ``-O3`` (the compiler takes the last ``-O``), and
+    a command with other flags has another stamp, so its objects are rebuilt."""
+    source, out = Path("unit.cc"), Path("unit.o")
+    monkeypatch.delenv("CXXFLAGS", raising=False)
+    plain = build._cxx_job("g++", source, out, ["-DTF"])
+    monkeypatch.setenv("CXXFLAGS", "-O0  -g0")
+    job = build._cxx_job("g++", source, out, ["-DTF"])
+    assert job.command.index("-O0") > job.command.index("-O3") > 0
+    assert job.command.index("-g0") > job.command.index("-DTF")
+    assert build._stamp(job) != build._stamp(plain)
+
+
 def test_this_tensorflow_build_is_recorded():
     """build_info.json of the library in use names this TensorFlow and its CUDA choice."""
     lib = ops._library()

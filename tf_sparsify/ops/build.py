@@ -14,7 +14,9 @@ found (``$CUDA_HOME/bin``, ``PATH``, ``/usr/local/cuda/bin``, ``/usr/local/cuda-
 library built with another major version would need a driver TensorFlow itself does not. A
 CPU-only TensorFlow (``tensorflow-cpu``) gets CPU kernels only. ``TF_SPARSIFY_CUDA=0`` (or
 ``--cpu-only``) skips CUDA; ``TF_SPARSIFY_CUDA=1`` requires it (with any nvcc when TensorFlow has
-no CUDA, which only checks that the GPU code compiles). Unchanged objects are reused. On
+no CUDA, which only checks that the GPU code compiles). ``CXX`` names the C++ compiler (default
+``g++``); ``CXXFLAGS`` is added after the build's own flags, so it may override them (``-O0``:
+a faster, unoptimized build). Unchanged objects are reused; a change of flags rebuilds. On
 failure it prints why and exits with status 1.
 """
 
@@ -26,6 +28,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -231,7 +234,8 @@ def _unit_job(cxx: str, index: int, sources: tuple[str, ...], objects: Path, tf_
 
 def _cxx_job(cxx: str, source: Path, out: Path, tf_compile: list[str]) -> Job:
     include = [f"-I{SOURCE_DIR / 'include'}", f"-I{SOURCE_DIR / 'cuda'}"]
-    command = (cxx, "-c", str(source), "-o", str(out), *CXX_FLAGS, *tf_compile, *include)
+    user = shlex.split(os.environ.get("CXXFLAGS", ""))
+    command = (cxx, "-c", str(source), "-o", str(out), *CXX_FLAGS, *tf_compile, *user, *include)
     return Job(source, out, command, (source,))
 
 
