@@ -402,6 +402,20 @@ def test_stateless_draws_do_not_depend_on_xla(seed):
     np.testing.assert_array_max_ulp(normal[1].numpy(), normal[0].numpy(), maxulp=2)
 
 
+@pytest.mark.parametrize(
+    "key, data",
+    [([1, 2], 0), ([12345, -678], 7), ([2**40, 99], 2**33), ([-1, -(2**62)], -5)],
+    ids=["small", "neg", "big", "top"],
+)
+def test_fold_in_is_tensorflows_with_and_without_xla(key, data):
+    """One kernel outside XLA, TensorFlow's own function under it: both give TensorFlow's
+    ``stateless_fold_in(alg="philox")``, eagerly too."""
+    key, data = tf.constant(key, tf.int64), tf.constant(data, tf.int64)
+    expected = tf.random.experimental.stateless_fold_in(key, data, alg="philox")
+    plain, jitted = both(xla.fold_in, key, data)
+    assert_same((xla.fold_in(key, data), plain, jitted), (expected,) * 3)
+
+
 def test_require_ops_does_not_raise_or_warn_under_xla(monkeypatch):
     """With the library missing and TF_SPARSIFY_REQUIRE_OPS=1, ops outside XLA raise; under
     XLA the reference is what runs anyway: no error, no warning."""

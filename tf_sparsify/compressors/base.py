@@ -15,6 +15,7 @@ from tf_sparsify.common.checks import check_float_dtype, is_number
 from tf_sparsify.common.registry import Registry
 from tf_sparsify.compressors import error_memory
 from tf_sparsify.compressors.rounds import Started, entries_round, one_round, scaled
+from tf_sparsify.ops import xla
 
 Payload = tuple[tf.Tensor, ...]
 
@@ -454,8 +455,7 @@ def rng_seed(
     """A shape-[2] int64 seed for ``tf.random.stateless_*`` from the four keys."""
     key = tf.constant([seed, tensor_id], tf.int64)
     for data in (step, replica_id):
-        key = tf.random.experimental.stateless_fold_in(key, tf.cast(data, tf.int64), alg="philox")
-        key = tf.cast(key[:2], tf.int64)
+        key = xla.fold_in(key, tf.cast(data, tf.int64))
     return key
 
 
