@@ -28,10 +28,12 @@ setup: ops
 wheel: ops
 	$(PY) scripts/build_wheel.py
 
-# Horovod 0.28.1 built for this TensorFlow, through the installer the package ships. It needs
-# the environment, not the kernels: `make -j2 setup horovod` builds both at once.
+# Horovod 0.28.1 built for this TensorFlow by the installer the package ships (the script
+# `python -m tf_sparsify install-horovod` runs, called directly: the command would import
+# TensorFlow first, 5 s on the way to the build). It needs the environment, not the kernels:
+# `make -j2 setup horovod` builds both at once.
 horovod: $(VENV)/.installed
-	$(PY) -m tf_sparsify install-horovod
+	bash tf_sparsify/install_horovod.sh $(VENV)
 
 # iproute2 (ip, tc) for the bandwidth benchmark's rate limits; a message where it cannot.
 sysdeps:
