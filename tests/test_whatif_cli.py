@@ -175,8 +175,6 @@ def test_module_entry_point_sweep_writes_a_png(tmp_path):
         assert rate in proc.stdout
     assert "  1024 " in proc.stdout and f"wrote {png}" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    usage = subprocess.run([sys.executable, "-m", "tf_sparsify", "what"], capture_output=True)
-    assert usage.returncode == 2 and b"whatif" in usage.stderr
 
 
 # -- bad or contradictory options ---------------------------------------------------------------
