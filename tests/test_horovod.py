@@ -37,8 +37,9 @@ from tests.script_runner import ROOT
 
 pytestmark = pytest.mark.processes  # every test runs under horovodrun or needs Horovod built
 
-HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 WORKERS = os.path.join(ROOT, "tests", "horovod_workers")
+#: horovodrun less its per-launch check that Horovod has Gloo (see that file)
+HOROVODRUN = os.path.join(WORKERS, "horovodrun.py")
 #: what horovodrun starts per rank: a fork of one warm interpreter (see that file)
 FORKED_RANKS = os.path.join(WORKERS, "forked_ranks.py")
 SOCKET_ENV = "TF_SPARSIFY_TEST_RANK_SERVER"
@@ -77,15 +78,17 @@ def rank_server() -> dict[str, str]:
 
 
 def _require_horovod() -> None:
+    """Fails, saying how to build it, unless Horovod's TensorFlow library loads and has Gloo
+    (what ``horovodrun`` checks at every launch, and :data:`HOROVODRUN` does not)."""
     try:
-        import horovod.tensorflow  # noqa: F401
+        import horovod.tensorflow as hvd
     except ImportError as error:
         pytest.fail(
             f"Horovod is not usable in this environment (`import horovod.tensorflow`: {error}). "
             "Build it with `make horovod` (python -m tf_sparsify install-horovod)."
         )
-    if not os.access(HOROVODRUN, os.X_OK):
-        pytest.fail(f"{HOROVODRUN} is missing: build Horovod with `make horovod`.")
+    if not hvd.gloo_built():
+        pytest.fail("Horovod was built without Gloo: rebuild it with `make horovod`.")
 
 
 def horovodrun(
@@ -104,7 +107,8 @@ def horovodrun(
     shared cores the wake-ups cost more CPU than the latency they save."""
     _require_horovod()
     ranks_run = [sys.executable, FORKED_RANKS, "run"]
-    command = [HOROVODRUN, "-np", str(ranks), *options, "--gloo", *ranks_run, script, *args]
+    command = [sys.executable, HOROVODRUN, "-np", str(ranks), *options, "--gloo"]
+    command += [*ranks_run, script, *args]
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2", **rank_server()}
     env.setdefault("HOROVOD_CYCLE_TIME", "5")
     proc = subprocess.Popen(
