@@ -70,14 +70,16 @@ def test_pip_install_from_checkout_builds_and_loads_kernels(tmp_path):
     run_env = {**env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     # unoptimized: half the compiler time; what is checked is that it builds and loads
     built = run_ok([py, "-m", "tf_sparsify.ops.build"], work, {**run_env, "CXXFLAGS": "-O0"})
-    report = run_ok([py, "-m", "tf_sparsify", "info"], work, run_env)
-    topk = (
+    # `python -m tf_sparsify info`, then an op, in one process (one TensorFlow import)
+    info_and_topk = (
         "import os, tensorflow as tf, tf_sparsify; from tf_sparsify import ops\n"
+        "from tf_sparsify.__main__ import main; main(['info'])\n"
         "v, i, r = ops.topk_error_feedback(tf.constant([1., -5., 2., 0.]), tf.zeros([4]), 2)\n"
         "print(os.path.dirname(tf_sparsify.__file__)); print(i.numpy().tolist())"
     )
-    loaded = run_ok([py, "-c", topk], work, {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"})
-    package, selected = loaded.strip().splitlines()[-2:]
+    env = {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"}
+    report = run_ok([py, "-c", info_and_topk], work, env)
+    package, selected = report.strip().splitlines()[-2:]
     site = Path(package)
     assert site.is_relative_to(venv), site
     assert str(site / "ops" / "lib" / "_tf_sparsify_ops.so") in built
