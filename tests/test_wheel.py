@@ -32,12 +32,16 @@ from tf_sparsify.ops import library, paths
 
 MAJOR, MINOR = (int(part) for part in tf.__version__.split(".")[:2])
 TF_RANGE = f">={MAJOR}.{MINOR},<{MAJOR}.{MINOR + 1}"
-TOPK = """
+#: ``python -m tf_sparsify info``, an op, then the loader's verdict on kernels built for another
+#: TensorFlow, in one process (one TensorFlow import)
+INFO_AND_TOPK = """
 import os, sys
 import tensorflow as tf
 import tf_sparsify
 from tf_sparsify import ops
+from tf_sparsify.__main__ import main
 from tf_sparsify.ops import library
+main(["info"])
 grad = tf.constant([1.0, -5.0, 2.0, 0.5])
 values, indices, residual = ops.topk_error_feedback(grad, tf.zeros([4]), 2)
 print(tf_sparsify.__file__)
@@ -100,9 +104,15 @@ def test_wheel_installs_into_a_fresh_venv_and_loads_its_kernels_without_a_compil
     pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index"]
     run_ok([*pip, f"{wheel}[cpu]"], work, env)  # tensorflow-cpu: the borrowed one fits the pin
 
-    no_compiler = {**env, "PATH": str(venv / "bin"), "CC": "/bin/false", "CXX": "/bin/false"}
-    report = run_ok([python, "-m", "tf_sparsify", "info"], work, no_compiler)
     lib_dir = site / "tf_sparsify" / "ops" / "lib"
+    other = tmp_path / "built_for_another_tensorflow"
+    shutil.copytree(lib_dir, other)
+    other_tf = f"{MAJOR}.{MINOR + 1}.0"
+    (other / paths.INFO_NAME).write_text(json.dumps({**packaged, "tensorflow": other_tf}))
+    no_compiler = {**env, "PATH": str(venv / "bin"), "CC": "/bin/false", "CXX": "/bin/false"}
+    required = {**no_compiler, "TF_SPARSIFY_REQUIRE_OPS": "1"}
+    report = run_ok([python, "-c", INFO_AND_TOPK, str(other)], work, required)
+    module, values, reason = report.splitlines()[-3:]
     assert f"compiled kernels loaded from {lib_dir}\n" in report, report
     assert f"origin: packaged in the tf_sparsify {version} wheel for TensorFlow" in report
     assert "TopKErrorFeedback: CPU" in report
@@ -119,12 +129,6 @@ def test_wheel_installs_into_a_fresh_venv_and_loads_its_kernels_without_a_compil
     assert plan.startswith(f"[install_horovod] dry run ({installer}): would "), plan
     assert plan.endswith(f"install it with {python} into {venv}"), plan
 
-    other = tmp_path / "built_for_another_tensorflow"
-    shutil.copytree(lib_dir, other)
-    other_tf = f"{MAJOR}.{MINOR + 1}.0"
-    (other / paths.INFO_NAME).write_text(json.dumps({**packaged, "tensorflow": other_tf}))
-    required = {**no_compiler, "TF_SPARSIFY_REQUIRE_OPS": "1"}
-    module, values, reason = run_ok([python, "-c", TOPK, str(other)], work, required).splitlines()
     assert Path(module).is_relative_to(site), module
     assert values == "[-5.0, 2.0] [1, 2] [1.0, 0.0, 0.0, 0.5]"
     assert reason == (
