@@ -1,6 +1,7 @@
 """Keras' own sparse-gradient optimizer tests (``keras/src/optimizers/optimizer_sparse_test.py``,
 38 cases), with every Keras optimizer wrapped in ``SparsifiedOptimizer(..., Identity())`` (the
-plugin ``tests/keras_suite/wrap_keras_optimizers.py``), run in a subprocess.
+plugin ``tests/keras_suite/wrap_keras_optimizers.py``), run in a new process (a fork of a warm
+interpreter, :func:`tests.script_runner.run_forked`).
 
 With Identity passing IndexedSlices through, the only case that fails is the one that finds
 the optimizer to instrument by class: ``LossScaleOptimizer(SGD)`` becomes
@@ -14,20 +15,19 @@ Identity densifying, as the pipeline used to, they fail too.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import xml.etree.ElementTree as ElementTree
 
 import keras
 import pytest
 
-from tests.script_runner import ROOT
+from tests.script_runner import ROOT, run_forked
 
 pytestmark = pytest.mark.processes  # Keras's own tests in a subprocess
 
 SUITE = os.path.join(
     os.path.dirname(keras.__file__), "src", "optimizers", "optimizer_sparse_test.py"
 )
+PYTEST = os.path.join(os.path.dirname(pytest.__file__), "__main__.py")
 CASES = 38
 #: fails on class identity: Keras' test instruments ``LossScaleOptimizer.inner_optimizer``
 CLASS_IDENTITY = {"test_sparse_gradients_loss_scale_optimizer_sgd"}
@@ -36,14 +36,8 @@ CLASS_IDENTITY = {"test_sparse_gradients_loss_scale_optimizer_sgd"}
 def failures(tmp_path) -> tuple[int, set[str]]:
     """``(cases run, names of the failed ones)`` of Keras' suite, every optimizer wrapped."""
     report = tmp_path / "suite.xml"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "keras_suite")]),
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-    }
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    command += ["-p", "wrap_keras_optimizers", f"--junitxml={report}", SUITE]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    argv = ["-q", "-p", "no:cacheprovider", "-p", "tests.keras_suite.wrap_keras_optimizers"]
+    proc = run_forked(PYTEST, [*argv, f"--junitxml={report}", SUITE], cwd=ROOT, timeout=600)
     assert report.exists(), f"Keras' suite did not run:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
     cases = ElementTree.parse(report).getroot().iter("testcase")
     run, failed = 0, set()

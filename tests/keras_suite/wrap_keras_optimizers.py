@@ -1,8 +1,8 @@
 """pytest plugin: Keras' own optimizer tests, every Keras optimizer wrapped.
 
-Loaded by ``tests/test_keras_sparse_suite.py`` (``-p wrap_keras_optimizers``) when it runs
-Keras' test files in a subprocess. Each optimizer class of ``keras.optimizers`` becomes a
-subclass of ``SparsifiedOptimizer`` that wraps the original with ``tfs.Identity()``.
+Loaded by ``tests/test_keras_sparse_suite.py`` (``-p tests.keras_suite.wrap_keras_optimizers``)
+when it runs Keras' test files in a new process. Each optimizer class of ``keras.optimizers``
+becomes a subclass of ``SparsifiedOptimizer`` that wraps the original with ``tfs.Identity()``.
 
 Keras' sparse-gradient test instruments the optimizer that writes: ``optimizer.inner_optimizer``
 when ``isinstance(optimizer, LossScaleOptimizer)``, else the optimizer itself. The plugin lets
