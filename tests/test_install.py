@@ -77,8 +77,7 @@ def test_pip_install_from_checkout_builds_and_loads_kernels(tmp_path):
         "v, i, r = ops.topk_error_feedback(tf.constant([1., -5., 2., 0.]), tf.zeros([4]), 2)\n"
         "print(os.path.dirname(tf_sparsify.__file__)); print(i.numpy().tolist())"
     )
-    env = {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"}
-    report = run_ok([py, "-c", info_and_topk], work, env)
+    report = run_ok([py, "-c", info_and_topk], work, {**run_env, "TF_SPARSIFY_REQUIRE_OPS": "1"})
     package, selected = report.strip().splitlines()[-2:]
     site = Path(package)
     assert site.is_relative_to(venv), site

@@ -20,7 +20,7 @@ import xml.etree.ElementTree as ElementTree
 import keras
 import pytest
 
-from tests.script_runner import ROOT, run_forked
+from tests.script_runner import run_forked
 
 pytestmark = pytest.mark.processes  # Keras's own tests in a subprocess
 
@@ -37,7 +37,7 @@ def failures(tmp_path) -> tuple[int, set[str]]:
     """``(cases run, names of the failed ones)`` of Keras' suite, every optimizer wrapped."""
     report = tmp_path / "suite.xml"
     argv = ["-q", "-p", "no:cacheprovider", "-p", "tests.keras_suite.wrap_keras_optimizers"]
-    proc = run_forked(PYTEST, [*argv, f"--junitxml={report}", SUITE], cwd=ROOT, timeout=600)
+    proc = run_forked(PYTEST, [*argv, f"--junitxml={report}", SUITE], timeout=600)
     assert report.exists(), f"Keras' suite did not run:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
     cases = ElementTree.parse(report).getroot().iter("testcase")
     run, failed = 0, set()
