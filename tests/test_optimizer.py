@@ -55,6 +55,55 @@ def test_identity_equals_plain_inner_optimizer(inner, distributed, request):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
 
 
+def test_fit_traces_its_step_once_and_reads_no_batch_to_build():
+    """Without a strategy the optimizer (and the metrics) are built before the first trace of
+    the train step, from the input's shapes: one trace, where variables made inside it would
+    cost Keras three; no batch is read for it, so with ``steps_per_epoch`` over a repeated
+    dataset Identity still equals plain SGD step for step."""
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).repeat()
+    models, traces = [], []
+    for optimizer in (
+        keras.optimizers.SGD(0.1, momentum=0.9),
+        tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), tfs.Identity()),
+    ):
+        model = make_model()
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer, loss, metrics=["accuracy"])
+        traces.append(_count_traces(model))
+        model.fit(data, steps_per_epoch=3, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    assert traces[1] == [1] < traces[0]  # Keras' own optimizer is built inside the trace
+    for a, b in zip(models[0].weights, models[1].weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    model = make_model()
+    model.compile(tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(0.2)), "mse")
+    traced = _count_traces(model)
+    model.train_on_batch(X, np.eye(3, dtype="float32")[Y])
+    assert traced == [1]
+
+
+def _count_traces(model: keras.Model) -> list[int]:
+    """A one-item list counting the traces of ``model``'s train step from now on (the step's
+    Python body runs once per trace)."""
+    count, train_step = [0], model.train_step
+
+    def counted(data):
+        count[0] += 1
+        return train_step(data)
+
+    model.train_step = counted
+    return count
+
+
+def test_a_model_built_by_its_first_call_is_left_to_keras():
+    """A model without an ``Input`` is built inside the first trace, as Keras does it."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(0.2)), "mse")
+    history = model.fit(X, np.eye(3, dtype="float32")[Y], batch_size=16, epochs=2, verbose=0)
+    assert model.optimizer.built and np.isfinite(history.history["loss"]).all()
+
+
 def test_four_replicas_identity_equivalence_and_topk_training():
     out = run_python(
         """

@@ -9,6 +9,8 @@ names what moved (``tests/test_keras_private.py`` runs it, so the failure is one
 from __future__ import annotations
 
 import keras
+import numpy as np
+import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.trainers import trainer as base_trainer
 from keras.src.utils import tracking
@@ -67,6 +69,10 @@ def check() -> None:
     ema_probe.build([keras.Variable(0.0)])
     if not hasattr(ema_probe, "_model_variables_moving_average"):
         missing.append("_model_variables_moving_average (read by keras.callbacks.SwapEMAWeights)")
+    strategy = tf.distribute.get_strategy()
+    epochs = tf_trainer.TFEpochIterator(strategy, x=np.zeros((2, 1), "float32"), batch_size=1)
+    if not hasattr(epochs, "_distributed_dataset"):
+        missing.append("TFEpochIterator._distributed_dataset (the shapes of fit's batches)")
     if missing:
         raise RuntimeError(
             f"Keras {keras.__version__} moved private APIs that tf_sparsify's optimizer wrapper "
@@ -185,6 +191,11 @@ def wrap_auto_jit_compile(wrapper) -> None:
 def symbolic_build(model, data_batch) -> None:
     """Build the model, its metrics and optimizer from one batch (Keras' ``_symbolic_build``)."""
     model._symbolic_build(data_batch=data_batch)
+
+
+def batch_spec(iterator) -> object:
+    """The structure of ``tf.TensorSpec`` of the batches a TF ``EpochIterator`` yields."""
+    return iterator._distributed_dataset.element_spec
 
 
 def model_strategy(model):

@@ -14,7 +14,9 @@ with ``axis=0``, which scalars do not have. The repair, for models it applies to
 It applies to every model compiled with a :class:`~tf_sparsify.SparsifiedOptimizer` (anywhere
 in its optimizer chain), and to every model after :func:`enable_multi_worker_fit`. Models it
 does not apply to run Keras' own code, unchanged. Outside multi-worker strategies it changes
-nothing. Everything here reads Keras' private API through :mod:`tf_sparsify.keras.keras_private`.
+nothing but this: without a strategy, ``fit`` and ``train_on_batch`` of those models build the
+optimizer before the first trace of the train step (:mod:`tf_sparsify.keras.first_trace`).
+Everything here reads Keras' private API through :mod:`tf_sparsify.keras.keras_private`.
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify.core import replica_values
-from tf_sparsify.keras import backups, in_flight, keras_private
+from tf_sparsify.keras import backups, first_trace, in_flight, keras_private
 from tf_sparsify.keras.wrapped import find_sparsified
 
 #: the model whose ``fit``/``evaluate``/``predict`` call is running, when the repair applies
 _repaired_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tf_sparsify_multi_worker_fit", default=False
+)
+#: a ``fit`` or ``train_on_batch`` call of a model the wrapper applies to is running
+_training_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tf_sparsify_training_call", default=False
 )
 _state: dict[str, Any] = {"all_models": False}
 
@@ -69,16 +75,18 @@ def _repairing(method: Callable, name: str) -> Callable:
         if not applies_to(self):
             return method(self, *args, **kwargs)
         backups.take_over(kwargs.get("callbacks"), self)
-        if not replica_values.is_multi_worker(self.distribute_strategy):
+        repaired = replica_values.is_multi_worker(self.distribute_strategy)
+        if repaired and name == "fit":
+            _warn_if_shuffles_may_differ(args, kwargs)
+        tokens = (
+            _repaired_call.set(repaired),
+            _training_call.set(name in ("fit", "train_on_batch")),
+        )
+        try:
             result = method(self, *args, **kwargs)
-        else:
-            if name == "fit":
-                _warn_if_shuffles_may_differ(args, kwargs)
-            token = _repaired_call.set(True)
-            try:
-                result = method(self, *args, **kwargs)
-            finally:
-                _repaired_call.reset(token)
+        finally:
+            _training_call.reset(tokens[1])
+            _repaired_call.reset(tokens[0])
         if name == "fit":
             in_flight.apply_at_fit_end(self)
         return result
@@ -101,11 +109,14 @@ def _warn_if_shuffles_may_differ(args: tuple, kwargs: dict) -> None:
 
 
 def _build_from_local_batch(original: Callable) -> Callable:
-    """Keras' symbolic build, from this worker's part of the first batch when repaired."""
+    """Keras' symbolic build, from this worker's part of the first batch when repaired;
+    without a strategy, before the first trace of a training call's step."""
 
     @functools.wraps(original)
     def maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = keras_private.model_strategy(self)
+        if strategy is None and _training_call.get():
+            first_trace.build_before_first_trace(self, iterator, data_batch)
         if not (_repaired_call.get() and strategy is not None and iterator is not None):
             return original(self, iterator=iterator, data_batch=data_batch)
         for _, _, batches in iterator:
