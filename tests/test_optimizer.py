@@ -82,6 +82,25 @@ def test_fit_traces_its_step_once_and_reads_no_batch_to_build():
     assert traced == [1]
 
 
+def test_a_build_the_shapes_cannot_make_is_left_to_keras():
+    """When the build from the input's shapes fails (here a loss that does not fit the
+    labels), it is left to the first trace, as with Keras' own optimizer: the callbacks start
+    before any error."""
+
+    class Started(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            raise RuntimeError("the callbacks started")
+
+    for optimizer in (
+        keras.optimizers.SGD(0.1),
+        tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(0.2)),
+    ):
+        model = make_model()
+        model.compile(optimizer, "mse")  # 3 outputs against labels of shape (64,)
+        with pytest.raises(RuntimeError, match="the callbacks started"):
+            model.fit(X, Y, epochs=1, callbacks=[Started()], verbose=0)
+
+
 def _count_traces(model: keras.Model) -> list[int]:
     """A one-item list counting the traces of ``model``'s train step from now on (the step's
     Python body runs once per trace)."""

@@ -5,8 +5,9 @@ trace of its train step, and a ``tf.function`` that creates variables while it i
 traced again: two or three traces of the whole step (forward, backward, the compression
 pipeline) where one does. Under a strategy Keras builds them first (its symbolic build); ``fit`` and
 ``train_on_batch`` of a model compiled with a :class:`~tf_sparsify.SparsifiedOptimizer` do the
-same without one, from the input's shapes (no batch is read). A model not built yet is left to
-Keras' own lazy build.
+same without one, from the input's shapes (no batch is read). A model not built yet, or one whose
+build from the shapes fails (the error comes from the first trace then, as without this), is
+left to Keras' own lazy build.
 """
 
 from __future__ import annotations
@@ -26,4 +27,7 @@ def build_before_first_trace(model, iterator=None, data_batch=None) -> None:
         return
     if data_batch is None:
         data_batch = keras_private.batch_spec(iterator)
-    keras_private.symbolic_build(model, data_batch)
+    try:
+        keras_private.symbolic_build(model, data_batch)
+    except Exception:  # e.g. an input the shapes alone cannot stand for
+        return  # Keras builds what is left in the first trace, and raises there as before
