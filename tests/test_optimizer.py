@@ -58,7 +58,7 @@ def test_identity_equals_plain_inner_optimizer(inner, distributed, request):
 def test_fit_traces_its_step_once_and_reads_no_batch_to_build():
     """Without a strategy the optimizer (and the metrics) are built before the first trace of
     the train step, from the input's shapes: one trace, where variables made inside it would
-    cost Keras three; no batch is read for it, so with ``steps_per_epoch`` over a repeated
+    cost Keras two or three; no batch is read for it, so with ``steps_per_epoch`` over a repeated
     dataset Identity still equals plain SGD step for step."""
     data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).repeat()
     models, traces = [], []

@@ -3,11 +3,11 @@
 Without a distribution strategy Keras builds a model's metrics and optimizer inside the first
 trace of its train step, and a ``tf.function`` that creates variables while it is traced is
 traced again: two or three traces of the whole step (forward, backward, the compression
-pipeline) where one does. Under a strategy Keras builds them first (its symbolic build); ``fit`` and
-``train_on_batch`` of a model compiled with a :class:`~tf_sparsify.SparsifiedOptimizer` do the
-same without one, from the input's shapes (no batch is read). A model not built yet, or one whose
-build from the shapes fails (the error comes from the first trace then, as without this), is
-left to Keras' own lazy build.
+pipeline) where one does. Under a strategy Keras builds them first (its symbolic build);
+``fit`` and ``train_on_batch`` of a model compiled with a
+:class:`~tf_sparsify.SparsifiedOptimizer` do the same without one, from the input's shapes (no
+batch is read). A model not built yet, or one whose build from the shapes fails (the error
+comes from the first trace then, as without this), is left to Keras' own lazy build.
 """
 
 from __future__ import annotations

@@ -78,15 +78,13 @@ def _repairing(method: Callable, name: str) -> Callable:
         repaired = replica_values.is_multi_worker(self.distribute_strategy)
         if repaired and name == "fit":
             _warn_if_shuffles_may_differ(args, kwargs)
-        tokens = (
-            _repaired_call.set(repaired),
-            _training_call.set(name in ("fit", "train_on_batch")),
-        )
+        repaired_token = _repaired_call.set(repaired)
+        training_token = _training_call.set(name in ("fit", "train_on_batch"))
         try:
             result = method(self, *args, **kwargs)
         finally:
-            _training_call.reset(tokens[1])
-            _repaired_call.reset(tokens[0])
+            _training_call.reset(training_token)
+            _repaired_call.reset(repaired_token)
         if name == "fit":
             in_flight.apply_at_fit_end(self)
         return result
@@ -115,7 +113,7 @@ def _build_from_local_batch(original: Callable) -> Callable:
     @functools.wraps(original)
     def maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = keras_private.model_strategy(self)
-        if strategy is None and _training_call.get():
+        if _training_call.get():
             first_trace.build_before_first_trace(self, iterator, data_batch)
         if not (_repaired_call.get() and strategy is not None and iterator is not None):
             return original(self, iterator=iterator, data_batch=data_batch)
