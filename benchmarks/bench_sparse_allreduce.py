@@ -1,6 +1,7 @@
 """Bytes per worker of the sparse all-reduce against TopK's all-gather, at P = 2, 3, 4.
 
-``python benchmarks/bench_sparse_allreduce.py`` launches ``horovodrun -np P --gloo`` for each
+``python benchmarks/bench_sparse_allreduce.py`` launches ``horovodrun -np P --gloo`` (without its
+start-up check: :mod:`benchmarks.horovodrun`) for each
 ``P`` (``--ranks``); every rank trains the same MLP (784-512-256-10, its own synthetic shard)
 for ``--steps`` steps with plain SGD on the update of ``TopK(ratio)`` (gathered) and of
 ``SparseAllReduce(ratio)`` (split and reduced), each through the real pipeline and
@@ -22,14 +23,16 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+sys.path.insert(0, ROOT)
+from benchmarks.horovodrun import COMMAND as HOROVODRUN  # noqa: E402
+
 WIDTHS = (784, 512, 256, 10)
 PREFIX = "RESULT "
 
 
 def launch(ranks: int, ratio: float, steps: int, timeout: int) -> list[dict]:
     """One ``horovodrun`` job; each rank's records."""
-    command = [HOROVODRUN, "-np", str(ranks), "--gloo", sys.executable, __file__, "--worker"]
+    command = [*HOROVODRUN, "-np", str(ranks), "--gloo", sys.executable, __file__, "--worker"]
     command += ["--ratio", str(ratio), "--steps", str(steps)]
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
@@ -89,6 +92,7 @@ def worker(ratio: float, steps: int) -> None:
     import tensorflow as tf
 
     import tf_sparsify as tfs
+    from benchmarks.horovodrun import require_gloo
     from tf_sparsify.core.pipeline import GradientPipeline
     from tf_sparsify.core.step import StepMemory
     from tf_sparsify.horovod import HorovodCollective
@@ -121,6 +125,7 @@ def worker(ratio: float, steps: int) -> None:
     def _nbytes(t: tf.Tensor) -> tf.Tensor:
         return tf.size(t, out_type=tf.int64) * t.dtype.size
 
+    require_gloo()
     hvd.init()
     keras.utils.set_random_seed(0)
     model = keras.Sequential(

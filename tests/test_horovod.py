@@ -33,13 +33,13 @@ import time
 import psutil
 import pytest
 
+from benchmarks.horovodrun import COMMAND as HOROVODRUN
 from tests.script_runner import ROOT
 
 pytestmark = pytest.mark.processes  # every test runs under horovodrun or needs Horovod built
 
 WORKERS = os.path.join(ROOT, "tests", "horovod_workers")
 #: horovodrun less its per-launch check that Horovod has Gloo (see that file)
-HOROVODRUN = os.path.join(WORKERS, "horovodrun.py")
 #: what horovodrun starts per rank: a fork of one warm interpreter (see that file)
 FORKED_RANKS = os.path.join(WORKERS, "forked_ranks.py")
 SOCKET_ENV = "TF_SPARSIFY_TEST_RANK_SERVER"
@@ -79,7 +79,7 @@ def rank_server() -> dict[str, str]:
 
 def _require_horovod() -> None:
     """Fails, saying how to build it, unless Horovod's TensorFlow library loads and has Gloo
-    (what ``horovodrun`` checks at every launch, and :data:`HOROVODRUN` does not)."""
+    (what ``horovodrun`` checks at every launch, and :mod:`benchmarks.horovodrun` does not)."""
     try:
         import horovod.tensorflow as hvd
     except ImportError as error:
@@ -107,7 +107,7 @@ def horovodrun(
     shared cores the wake-ups cost more CPU than the latency they save."""
     _require_horovod()
     ranks_run = [sys.executable, FORKED_RANKS, "run"]
-    command = [sys.executable, HOROVODRUN, "-np", str(ranks), *options, "--gloo"]
+    command = [*HOROVODRUN, "-np", str(ranks), *options, "--gloo"]
     command += [*ranks_run, script, *args]
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2", **rank_server()}
     env.setdefault("HOROVOD_CYCLE_TIME", "5")

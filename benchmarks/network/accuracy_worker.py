@@ -27,6 +27,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
 
 import tf_sparsify.horovod as th  # noqa: E402
+from benchmarks.horovodrun import require_gloo  # noqa: E402
 from benchmarks.network.models import exchange_setup  # noqa: E402
 from benchmarks.network.tasks import TASKS, Batch, Task  # noqa: E402
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     task = TASKS[args.task]
     epochs, batch, lr = args.epochs or task.epochs, args.batch or task.batch, args.lr or task.lr
+    require_gloo()
     hvd.init()
     names = args.compressors.split(",")
     models = {name: make_trainee(task, name, lr) for name in names}

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 
 import psutil
 
+from benchmarks.horovodrun import COMMAND as HOROVODRUN
 from benchmarks.network.affinity import PIN_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 POLL_S = 0.25
 TERMINATE_GRACE_S = 5.0
 LOG_TAIL_CHARS = 6000
@@ -31,9 +31,10 @@ class JobFailed(RuntimeError):
 
 
 def horovod_command(prefix: Sequence[str], ranks: int, worker: str, args: Sequence[str]) -> list:
-    """``horovodrun -np P -H localhost:P --gloo python -m WORKER ARGS`` after ``prefix``."""
+    """``horovodrun -np P -H localhost:P --gloo python -m WORKER ARGS`` after ``prefix``
+    (:mod:`benchmarks.horovodrun`: the ranks check that Horovod has Gloo)."""
     hosts = f"localhost:{ranks}"
-    launch = [HOROVODRUN, "-np", str(ranks), "-H", hosts, "--gloo", sys.executable, "-m", worker]
+    launch = [*HOROVODRUN, "-np", str(ranks), "-H", hosts, "--gloo", sys.executable, "-m", worker]
     return [*prefix, *launch, *args]
 
 

@@ -24,9 +24,10 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.util import find_spec
 
 from benchmarks.network import report
-from benchmarks.network.jobs import HOROVODRUN, JobFailed, horovod_command, mwms_command, run_job
+from benchmarks.network.jobs import JobFailed, horovod_command, mwms_command, run_job
 from benchmarks.network.models import (
     BACKEND_PROBES,
     BATCH,
@@ -349,10 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM as Ctrl-C: unwinds through the cleanup of jobs and namespaces.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if ("horovod" in args.backend or args.mode == "accuracy") and not os.access(
-        HOROVODRUN, os.X_OK
-    ):
-        print(f"{HOROVODRUN} not found: build Horovod with `make horovod`.", file=sys.stderr)
+    if ("horovod" in args.backend or args.mode == "accuracy") and not find_spec("horovod"):
+        print("Horovod is not installed: build it with `make horovod`.", file=sys.stderr)
         return 2
     shaped, note = plan_network(args)
     records, failure, complete = [], "", False

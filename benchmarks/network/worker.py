@@ -136,7 +136,9 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
     import horovod.tensorflow as hvd
 
     import tf_sparsify.horovod as th
+    from benchmarks.horovodrun import require_gloo
 
+    require_gloo()
     hvd.init()
     x, y = synthetic_batch(args.model, args.image_size, args.batch, seed=1 + hvd.rank())
     trainers = []
