@@ -27,7 +27,7 @@ def _nvcc(*args: str) -> None:
 def test_cuda_core_compiles_and_loads(tmp_path: Path):
     flags = [
         "-std=c++17",
-        "-O3",
+        "-O0",  # host code only (argument checks run there); the device code is optimized as built
         "--fmad=false",
         "-Xcompiler",
         "-fPIC",
