@@ -18,7 +18,7 @@ COMMANDS = {
     "probe-link": "measure the link with all-reduces of a few sizes, under horovodrun; write "
     "what was measured as JSON for `whatif --link`",
     "install-horovod": "build Horovod 0.28.1 (TensorFlow + Gloo) into this Python's environment "
-    "(needs cmake and a C++ compiler; about 1.5 minutes on 2 cores)",
+    "(needs cmake and a C++ compiler; about 1.3 minutes on 2 cores)",
 }
 #: the Horovod installer the package ships (a checkout's scripts/install_horovod.sh links to it)
 HOROVOD_INSTALLER = Path(tf_sparsify.__file__).resolve().parent / "install_horovod.sh"
