@@ -27,6 +27,7 @@ The costs of the collectives are in :mod:`tf_sparsify.step_model.network`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -58,8 +59,11 @@ class Method(Protocol):
         """The collectives of one step, in order."""
 
 
+@functools.lru_cache(maxsize=4096, typed=True)
 def topk_entries(size: int, ratio: float) -> int:
-    """How many entries :class:`tf_sparsify.TopK` selects of ``size`` at ``ratio``."""
+    """How many entries :class:`tf_sparsify.TopK` selects of ``size`` at ``ratio`` (remembered:
+    a sweep asks it for the same tensors and ratios thousands of times; ``typed``: a float32
+    ratio's decimal is not its double's)."""
     return TopK(ratio=ratio).num_selected(size)
 
 
