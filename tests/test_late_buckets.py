@@ -270,6 +270,33 @@ def test_a_second_flush_applies_nothing():
         np.testing.assert_array_equal(v.numpy(), w)
 
 
+def test_fit_traces_what_it_applies_at_its_end_once_per_train_step(monkeypatch):
+    """``fit`` applies what is in flight through a function traced at its first end, not at
+    every end; again after Keras' step is retraced (its plan may have changed)."""
+    traced = []
+    apply_in_flight = tfs.SparsifiedOptimizer.apply_in_flight
+
+    def counting(self):
+        traced.append(self)
+        apply_in_flight(self)
+
+    monkeypatch.setattr(tfs.SparsifiedOptimizer, "apply_in_flight", counting)
+    model = mlp()
+    optimizer = tfs.SparsifiedOptimizer(
+        keras.optimizers.SGD(0.1), tfs.TopK(k=3), late_buckets="all"
+    )
+    model.compile(optimizer, "mse", jit_compile=False)
+    ends = []
+    for _ in range(3):
+        model.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        ends.append([w.numpy() for w in model.weights])
+    assert traced == [optimizer]
+    model.make_train_function(force=True)
+    model.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert traced == [optimizer, optimizer]
+    assert not np.array_equal(ends[1][0], ends[2][0])  # the third fit (and its end) ran
+
+
 def test_a_custom_loop_applies_what_is_in_flight_after_its_last_step():
     variables = [tf.Variable(tf.zeros([6, 4])), tf.Variable(tf.zeros([4]))]
     exchange = tfs.GradientExchange(tfs.TopK(k=3), late_buckets="all")
