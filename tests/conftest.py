@@ -14,31 +14,32 @@ import os
 import re
 import tempfile
 import textwrap
+from typing import TYPE_CHECKING
 
 import pytest
-import tensorflow as tf
 
 from tests.script_runner import run_forked
 
-# XLA's LLVM backend compiles the tests' steps at -O0: the same HLO and, with fast math off
-# (XLA's default), the same IEEE results, for about 15 % less CPU in tests/test_xla.py. XLA
-# reads the flags at its first compile.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
-# What the imports made lives as long as the process: the collector stops scanning it (about
-# half of the collector's time in a pytest worker).
-gc.freeze()
+if TYPE_CHECKING:
+    import tensorflow as tf
 
-# The ops' float dtypes, their names in the NumPy reference, and unsigned ints of their width.
-KIND = {
-    tf.float16: "float16",
-    tf.bfloat16: "bfloat16",
-    tf.float32: "float32",
-    tf.float64: "float64",
-}
-UINT = {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}
-DTYPES = list(KIND)
+
+def pytest_configure(config):
+    """TensorFlow as every test process has it: four logical CPU devices, and XLA's LLVM
+    backend compiling the tests' steps at -O0 (the same HLO and, with fast math off, XLA's
+    default, the same IEEE results, for about 15 % less CPU in tests/test_xla.py; XLA reads
+    the flags at its first compile). Then what the imports made, which lives as long as the
+    process, is frozen: the collector stops scanning it (about half of its time in a pytest
+    worker). Not in pytest-xdist's controller, which runs no test: it would import TensorFlow
+    (about 4 s) before it starts the workers."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+    gc.freeze()
 
 
 @pytest.fixture
@@ -56,6 +57,8 @@ def compiled():
 
 @pytest.fixture(scope="session")
 def mirrored2() -> tf.distribute.MirroredStrategy:
+    import tensorflow as tf
+
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 

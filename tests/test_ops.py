@@ -18,7 +18,8 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify.ops as ops
-from tests.conftest import DTYPES, KIND, UINT, run_python
+from tests.conftest import run_python
+from tests.dtypes import DTYPES, KIND, UINT
 from tf_sparsify.__main__ import main
 from tf_sparsify.ops import dispatch, library
 from tf_sparsify.ops import pure_tf as reference

@@ -22,7 +22,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sparsify.ops as ops
-from tests.conftest import DTYPES, KIND, UINT
+from tests.dtypes import DTYPES, KIND, UINT
 from tf_sparsify.ops import pure_tf as reference
 from tf_sparsify.ops.paths import SOURCE_DIR
 from tf_sparsify.testing import numpy_reference as npref

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 import tf_sparsify as tfs
 import tf_sparsify.ops as ops
-from tests.conftest import DTYPES, UINT
+from tests.dtypes import DTYPES, UINT
 from tests.embedding_model import TARGETS, TOKENS, embedding_model
 from tf_sparsify.collectives import LocalCollective
 from tf_sparsify.keras import sparse_sgd
