@@ -19,10 +19,17 @@ $(VENV)/.installed: setup.cfg setup.py pyproject.toml constraints.txt
 		$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
 
+# `make ops` asks the build, which rebuilds what is stale (also after a change of CXXFLAGS);
+# `make setup` runs it only when the kernel sources, the build script or the environment are
+# newer than the last build (the question costs a TensorFlow import, ~5 s).
+OPS_BUILT := tf_sparsify/ops/lib/build_info.json
 ops: $(VENV)/.installed
 	$(PY) -m tf_sparsify.ops.build
 
-setup: ops
+$(OPS_BUILT): $(VENV)/.installed tf_sparsify/ops/build.py $(shell find custom_ops -type f)
+	$(PY) -m tf_sparsify.ops.build
+
+setup: $(OPS_BUILT)
 
 # A platform wheel with the compiled kernels for this TensorFlow, and the sdist, into dist/.
 wheel: ops
