@@ -71,11 +71,12 @@ test:
 	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The inner loop: every test but those that launch processes (pytest.mark.processes: Horovod,
-# multi-worker jobs, pip, wheel and site builds, documentation examples) or compile with XLA
-# (pytest.mark.xla); needs no Horovod. No module fixture is left to share, so the tests go to
-# either worker one by one.
+# multi-worker jobs, pip, wheel and site builds, documentation examples), compile with XLA
+# (pytest.mark.xla) or run an example or experiment end to end (pytest.mark.example); needs no
+# Horovod. No module fixture is left to share, so the tests go to either worker one by one.
 test-quick: setup
-	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q -n 2 --dist load -m "not processes and not xla"
+	TF_SPARSIFY_REQUIRE_OPS=1 $(PY) -m pytest -q -n 2 --dist load \
+		-m "not processes and not xla and not example"
 
 format: $(VENV)/.installed
 	$(PY) -m ruff format .

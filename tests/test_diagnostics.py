@@ -296,6 +296,7 @@ def test_diagnostics_record_is_the_mean_over_replicas(mirrored2):
     assert int(opt.diagnostics_step.numpy()) == 1
 
 
+@pytest.mark.example
 def test_topk_study_quick_run(tmp_path):
     """The study script end to end on its smallest setting: files, table, and the paper's
     qualitative result that error feedback beats no error feedback at K = 0.1%."""

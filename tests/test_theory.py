@@ -130,6 +130,7 @@ def test_smoothness_rejects_bad_data(bad):
         theory.smoothness_logistic(np.ones((2, 2)), l2=-1)
 
 
+@pytest.mark.example
 def test_staleness_experiment_shows_the_bound_on_real_data(tmp_path):
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
     spec = importlib.util.spec_from_file_location(

@@ -91,6 +91,7 @@ def test_bad_language_arguments_are_named(argument, value, bound):
         MarkovLanguage(**kwargs)
 
 
+@pytest.mark.example
 def test_the_tiny_transformer_learns_the_language():
     """One epoch (10 steps) of the accuracy task's own batches, model and optimizer, on one
     rank: the held-out loss falls from about log(vocab) by more than a nat."""
