@@ -58,14 +58,16 @@ def test_pip_install_from_checkout_builds_and_loads_kernels(tmp_path):
     assert not list(checkout.rglob("*.so")), "build outputs must not be copied"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TF_SPARSIFY"))}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    run_ok([sys.executable, "-m", "venv", str(venv)], work, env)
+    # no pip of its own (ensurepip: ~4 s): this pip installs into it (`--python`)
+    run_ok([sys.executable, "-m", "venv", "--without-pip", str(venv)], work, env)
     py = str(venv / "bin" / "python")
     venv_site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     (venv_site / "site-packages" / "borrowed.pth").write_text(
         sysconfig.get_paths()["purelib"] + "\n"
     )
     constraints = str(checkout / "constraints.txt")
-    run_ok([py, "-m", "pip", "install", "-q", "-c", constraints, f"{checkout}[cpu]"], work, env)
+    pip = [sys.executable, "-m", "pip", "--python", py, "install", "-q", "-c", constraints]
+    run_ok([*pip, f"{checkout}[cpu]"], work, env)
 
     run_env = {**env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     # unoptimized: half the compiler time; what is checked is that it builds and loads
