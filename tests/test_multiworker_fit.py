@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import h5py
 import numpy as np
@@ -17,7 +15,13 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import run_python
-from tests.script_runner import ROOT, ForkServer, run_forked_workers, shared_fork_server
+from tests.script_runner import (
+    ROOT,
+    ForkServer,
+    run_forked,
+    run_forked_workers,
+    shared_fork_server,
+)
 from tf_sparsify.distribute.multiworker import free_ports, tf_config
 
 WORKER = os.path.join(ROOT, "tests", "multiworker_workers", "fit.py")
@@ -352,13 +356,8 @@ def test_chief_alone_saves_and_the_file_loads(numpy_runs):
 
 @pytest.mark.processes
 def test_the_fit_example_runs(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "multiworker_fit.py"), "--epochs=2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **ENV},
-    )
+    # the launcher in a fork of a warm interpreter; the workers it starts are new processes
+    proc = run_forked(os.path.join(ROOT, "examples", "multiworker_fit.py"), ["--epochs=2"], ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "all workers identical" in proc.stdout
     assert "2 workers, topk" in proc.stdout and "epoch 2: loss" in proc.stdout
