@@ -39,7 +39,6 @@ from tests.script_runner import ROOT
 pytestmark = pytest.mark.processes  # every test runs under horovodrun or needs Horovod built
 
 WORKERS = os.path.join(ROOT, "tests", "horovod_workers")
-#: horovodrun less its per-launch check that Horovod has Gloo (see that file)
 #: what horovodrun starts per rank: a fork of one warm interpreter (see that file)
 FORKED_RANKS = os.path.join(WORKERS, "forked_ranks.py")
 SOCKET_ENV = "TF_SPARSIFY_TEST_RANK_SERVER"
