@@ -449,6 +449,19 @@ def test_set_compressor_on_one_rank_is_named_not_a_hang(mismatch, case):
         assert f"rank {rank} of 2" in record["message"]
 
 
+@pytest.mark.parametrize(
+    "case", ["apply_in_flight_on_one_rank_last", "apply_in_flight_on_one_rank_all"]
+)
+def test_apply_in_flight_on_one_rank_is_named_not_a_hang(mismatch, case):
+    """With late buckets every step checks the plans first, a step that applies what is in
+    flight included: rank 0 applying it while rank 1 trains on fails by name, on both ranks,
+    instead of each waiting forever on collectives the other never starts (the last bucket
+    late: the steps differ in their collectives; every bucket late: in nothing else)."""
+    for rank, record in _passed(mismatch, case).items():
+        assert "differ in their step" in record["message"]
+        assert f"rank {rank} of 2 has" in record["message"]
+
+
 def test_mismatch_after_restore_is_named(mismatch):
     for record in _passed(mismatch, "restore_then_mismatch").values():
         assert "differ in their compressor" in record["message"]

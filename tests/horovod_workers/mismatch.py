@@ -220,6 +220,17 @@ def main() -> None:
             tfs.QSGD(4, seed=0), tfs.QSGD(4, seed=1), lambda run: expect_mismatch("compressor", run)
         ),
     )
+
+    def apply_in_flight_on_one_rank(late_buckets: str) -> dict:
+        """Both ranks train with late buckets; then rank 0 alone applies what is in flight
+        while rank 1 trains on."""
+        model = fit(make_model(), tfs.TopK(k=4), late_buckets=late_buckets, bucket_bytes=64)
+        if RANK == 0:
+            return expect_mismatch("step", model.optimizer.apply_in_flight)
+        return expect_mismatch("step", lambda: model.fit(X, Y, batch_size=16, epochs=1, verbose=0))
+
+    checks.run("apply_in_flight_on_one_rank_last", lambda: apply_in_flight_on_one_rank("last"))
+    checks.run("apply_in_flight_on_one_rank_all", lambda: apply_in_flight_on_one_rank("all"))
     checks.run(
         "set_compressor_k_on_one_rank",
         lambda: one_rank_changes(

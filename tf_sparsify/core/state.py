@@ -110,10 +110,12 @@ class CompressionState:
         updates."""
         return not self.transport.mean_only
 
-    def collective(self, grads: Sequence | None = None) -> Collective:
+    def collective(self, grads: Sequence | None = None, flush: bool = False) -> Collective:
         """The transport's collective for a step on ``grads`` (``None``: every variable has
-        a dense gradient)."""
+        a dense gradient); ``flush``: the step applies what is in flight."""
         present = None if grads is None else tuple(GradientKind.of(g) for g in grads)
+        if flush:  # a transport written before ``flush`` existed is still called as it was
+            return self.transport.collective(self.pipeline, self.units, present, flush=True)
         return self.transport.collective(self.pipeline, self.units, present)
 
     # -- state --------------------------------------------------------------------------------

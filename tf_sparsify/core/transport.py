@@ -65,10 +65,12 @@ class Transport:
         pipeline: GradientPipeline,
         units: Sequence[Unit],
         present: Sequence[GradientKind] | None = None,
+        flush: bool = False,
     ) -> Collective:
         """The collective of one step that runs ``pipeline`` on ``units``; ``present`` says
-        what each variable's gradient is in this step (``None``: all dense)."""
-        del pipeline, units, present
+        what each variable's gradient is in this step (``None``: all dense), ``flush`` whether
+        the step applies what is in flight (``apply_in_flight``)."""
+        del pipeline, units, present, flush
         return current_collective()
 
     def job_collective(self) -> Collective | None:

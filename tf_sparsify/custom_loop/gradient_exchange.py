@@ -119,6 +119,10 @@ class GradientExchange(FrontEnd, tf.Module):
         ``None`` gradients stay ``None`` (their variables' state is left alone). Residuals and
         momenta are written only when the step was finite on every replica.
         """
+        return self._step(grads, variables, flush=False)
+
+    def _step(self, grads: Sequence, variables: Sequence, flush: bool) -> list[tf.Tensor | None]:
+        """:meth:`updates`; ``flush``: the step applies what is in flight."""
         grads, variables = list(grads), list(variables)
         if self._signature is None and _in_replica_of_many():
             raise ValueError(
@@ -126,7 +130,7 @@ class GradientExchange(FrontEnd, tf.Module):
                 "`exchange.build(model.trainable_variables)` inside `strategy.scope()`."
             )
         self.build(variables)
-        return self._state.run(grads, self._state.collective(grads)).updates
+        return self._state.run(grads, self._state.collective(grads, flush)).updates
 
     def in_flight_updates(self, variables: Sequence) -> list[tf.Tensor | None]:
         """With ``late_buckets``: the averaged updates still in flight after the last step
@@ -137,7 +141,7 @@ class GradientExchange(FrontEnd, tf.Module):
         self.build(variables)
         if not any(self._state.late):
             return [None] * len(variables)
-        return self.updates(late.flush_gradients(self._state.late, variables), variables)
+        return self._step(late.flush_gradients(self._state.late, variables), variables, flush=True)
 
 
 def _in_replica_of_many() -> bool:

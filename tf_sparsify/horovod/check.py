@@ -1,10 +1,14 @@
-"""The first-step check: every rank must plan the same messages before any payload travels.
+"""The plan check: every rank must plan the same messages before any payload travels.
 
 Ranks built with a different compressor, ``k``, option, model or dtype would otherwise hand
 Horovod differently named or differently shaped payloads, which it may wait on forever (or,
 for an all-gather of other sizes, accept silently). So before the first exchange each rank
 gathers a fixed-length int64 fingerprint of its plan with one all-gather of a fixed name, and
 every rank raises the same ``InvalidArgumentError`` naming the first field that differs.
+
+With late buckets every step checks so (:func:`check_step`), and the fingerprint says whether
+the step is a training step or ``apply_in_flight``: a rank that applies what is in flight while
+another trains would otherwise wait forever on collectives its peer never starts.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tf_sparsify.horovod._hvd import hvd
 
 #: What the fingerprint covers, in the order mismatches are reported.
 FIELDS = (
+    "step",
     "ranks_per_node",
     "compressor",
     "pipeline options",
@@ -37,10 +42,12 @@ def plan_fields(
     units: Sequence[Unit],
     ranks_per_node: int | None = None,
     present: Sequence[GradientKind] | None = None,
+    flush: bool = False,
 ) -> list[tuple[str, str]]:
     """``(field, description)`` pairs of a plan, aligned with :data:`FIELDS`
     (``ranks_per_node``: the hierarchical exchange's, ``None`` for the flat one; ``present``:
-    what each variable's gradient is in the step, ``None`` for all dense).
+    what each variable's gradient is in the step, ``None`` for all dense; ``flush``: the step
+    applies what is in flight, ``apply_in_flight``).
 
     A variable's payload travels only from ranks that have its gradient, so ranks that differ
     in which gradients are ``None`` would wait for each other forever: they fail here. So do
@@ -63,6 +70,7 @@ def plan_fields(
         zip(
             FIELDS,
             (
+                "apply_in_flight (the update in flight)" if flush else "a training step",
                 repr(ranks_per_node),
                 repr(pipeline.compressor),
                 repr(dict(sorted(options.items()))),
@@ -81,21 +89,42 @@ def stamp(fields: Sequence[tuple[str, str]]) -> tf.Tensor:
     return tf.constant([_hash(description) for _, description in fields], tf.int64)
 
 
-def check_once(done: tf.Variable, fields: Sequence[tuple[str, str]]) -> tf.Tensor:
-    """Run the check unless ``done`` (a local, never checkpointed bool variable) is set.
+def check_once(
+    done: tf.Variable, sent: tf.Variable, fields: Sequence[tuple[str, str]]
+) -> tf.Tensor:
+    """Run the check (:func:`check_step`) unless ``done`` (a local, never checkpointed bool
+    variable) is set.
 
     Returns a boolean tensor to make the exchange wait for. The check is one all-gather of a
     ``[1, len(FIELDS)]`` int64 tensor under a fixed name, the same on every rank whatever its
     configuration, so it cannot deadlock; every rank sees all fingerprints and fails alike.
     """
-    local = stamp(fields)
 
     def check() -> tf.Tensor:
-        gathered = hvd.allgather(local[None], name="tf_sparsify_plan_check", ignore_name_scope=True)
-        with tf.control_dependencies([assert_same(gathered, local, fields)]):
+        with tf.control_dependencies([check_step(sent, fields)]):
             return tf.identity(done.assign(True, read_value=True))
 
     return tf.cond(done, lambda: tf.constant(True), check)
+
+
+def check_step(sent: tf.Variable, fields: Sequence[tuple[str, str]]) -> tf.Tensor:
+    """The check itself, in this step whatever ran before: its all-gather has the same fixed
+    name in every step, so it pairs with the check of whatever step another rank runs.
+
+    The fingerprint travels through ``sent`` (a local int64 variable of ``len(FIELDS)``):
+    Horovod's ops are not marked stateful, so Grappler would fold an all-gather of a constant
+    while it optimizes the graph, and the step would never check at run time."""
+    local = stamp(fields)
+    gathered = _gather_plan(sent.assign(local, read_value=True))
+    return assert_same(gathered, local, fields)
+
+
+@tf.function
+def _gather_plan(fingerprint: tf.Tensor) -> tf.Tensor:
+    """Every rank's fingerprint, ``[ranks, len(FIELDS)]``: one all-gather named
+    ``tf_sparsify_plan_check`` whether the step is traced or eager (eagerly, Horovod names an
+    op by its type, so an eager check would not pair with a traced one)."""
+    return hvd.allgather(fingerprint[None], name="tf_sparsify_plan_check", ignore_name_scope=True)
 
 
 def assert_same(
@@ -117,7 +146,7 @@ def assert_same(
             f"differ in their {field}: rank {rank} of {size} has {_short(description)}. "
             "Every rank must build the same model and the same optimizer/exchange "
             "(ranks_per_node, compressor, k or ratio, error feedback, scope, sizes, "
-            "dtypes) and call set_compressor alike."
+            "dtypes) and call set_compressor and apply_in_flight alike."
             for field, description in fields
         ]
     )

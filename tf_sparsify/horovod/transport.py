@@ -29,7 +29,14 @@ from tf_sparsify.core.step import GradientKind
 from tf_sparsify.core.transport import Transport
 from tf_sparsify.horovod import hierarchy
 from tf_sparsify.horovod._hvd import hvd
-from tf_sparsify.horovod.check import assert_same, check_once, plan_fields, stamp
+from tf_sparsify.horovod.check import (
+    FIELDS,
+    assert_same,
+    check_once,
+    check_step,
+    plan_fields,
+    stamp,
+)
 from tf_sparsify.horovod.collective import (
     HierarchicalCollective,
     HorovodCollective,
@@ -56,6 +63,7 @@ class HorovodTransport(Transport):
         )
         self.mean_only = ranks_per_node is not None
         self.checked: tf.Variable | None = None
+        self.plan_sent: tf.Variable | None = None
         self.horovod_bytes: tf.Variable | None = None
         self.within_bytes: tf.Variable | None = None
         self._topology: hierarchy.Topology | None = None
@@ -71,6 +79,9 @@ class HorovodTransport(Transport):
             return
         with tf.init_scope():
             self.checked = tf.Variable(False, trainable=False, name="plan_checked")
+            self.plan_sent = tf.Variable(
+                tf.zeros([len(FIELDS)], tf.int64), trainable=False, name="plan_sent"
+            )
             self.horovod_bytes = tf.Variable(
                 0, dtype=tf.int64, trainable=False, name="horovod_bytes"
             )
@@ -90,21 +101,29 @@ class HorovodTransport(Transport):
         pipeline: GradientPipeline,
         units: Sequence[Unit],
         present: Sequence[GradientKind] | None = None,
+        flush: bool = False,
     ) -> Collective:
         """The collective of one step: the ranks' plans (and which variables have gradients)
         are compared on this process's first step before anything travels, and again with
         every step's first gather (the flat exchange), so ranks whose plans drift apart later
-        (``set_compressor`` on one rank) fail by name."""
+        (``set_compressor`` on one rank) fail by name. With late buckets every step is checked
+        before anything travels (the late payloads travel while the step computes, so the
+        check's round trip hides too): a rank applying what is in flight (``flush``) while
+        another trains fails by name instead of waiting forever."""
         reject_xla()  # first: the plan check already builds Horovod ops
         self.build()
-        fields = plan_fields(pipeline, units, self.ranks_per_node, present)
-        gate = check_once(self.checked, fields)
+        fields = plan_fields(pipeline, units, self.ranks_per_node, present, flush)
+        every_step = pipeline.options.late_buckets != "none"
+        if every_step:
+            gate = check_step(self.plan_sent, fields)
+        else:
+            gate = check_once(self.checked, self.plan_sent, fields)
         if self.ranks_per_node is None:
             local = stamp(fields)
             return HorovodCollective(
                 gate,
                 self.horovod_bytes,
-                stamp=(local, lambda stamps: assert_same(stamps, local, fields)),
+                stamp=None if every_step else (local, lambda s: assert_same(s, local, fields)),
             )
         return HierarchicalCollective(
             self._topology,

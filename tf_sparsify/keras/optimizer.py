@@ -193,10 +193,12 @@ class SparsifiedOptimizer(OptimizerVariables, FrontEnd, keras.optimizers.Optimiz
         buckets; a second call applies zeros."""
         if self.built and any(self._state.late):
             built_for = keras_private.trainable_variables(self)
-            self._apply_in_build_order(late.flush_gradients(self._state.late, built_for))
+            flush = late.flush_gradients(self._state.late, built_for)
+            self._apply_in_build_order(flush, flush=True)
 
-    def _apply_in_build_order(self, ordered: list) -> None:
-        """One step on gradients aligned with the built variables (``None``: no gradient)."""
+    def _apply_in_build_order(self, ordered: list, flush: bool = False) -> None:
+        """One step on gradients aligned with the built variables (``None``: no gradient);
+        ``flush``: the step applies what is in flight."""
         built_for = keras_private.trainable_variables(self)
         # A LossScaleOptimizer inside scales the gradients by its dynamic scale, which changes
         # between steps: exchange in gradient units so the residuals never mix scales, and hand
@@ -205,7 +207,7 @@ class SparsifiedOptimizer(OptimizerVariables, FrontEnd, keras.optimizers.Optimiz
         if scale is not None:
             ordered = [None if g is None else _times(g, 1.0 / scale) for g in ordered]
         with keras.name_scope(self.name, caller=self):
-            result = self.compression_step(ordered, self.collective(ordered))
+            result = self.compression_step(ordered, self.collective(ordered, flush))
         updates = result.updates
         if scale is not None:
             updates = [None if u is None else _times(u, scale) for u in updates]
@@ -229,10 +231,11 @@ class SparsifiedOptimizer(OptimizerVariables, FrontEnd, keras.optimizers.Optimiz
         resolves to ``False`` where it cannot: :mod:`tf_sparsify.keras.auto_jit`)."""
         return self.compressor.runs_under_xla and self.transport.runs_under_xla
 
-    def collective(self, grads: list | None = None) -> Collective:
+    def collective(self, grads: list | None = None, flush: bool = False) -> Collective:
         """How a step's payloads travel: the transport's collective for a step on ``grads``
-        (in build order; ``None``: every variable has a gradient)."""
-        return self._state.collective(grads)
+        (in build order; ``None``: every variable has a gradient); ``flush``: the step applies
+        what is in flight."""
+        return self._state.collective(grads, flush)
 
     def compression_step(self, grads: list, collective: Collective) -> StepResult:
         """Compress the gradients (in build order), send the payloads through ``collective``
