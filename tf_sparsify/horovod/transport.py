@@ -45,8 +45,9 @@ from tf_sparsify.horovod.collective import (
 
 
 class HorovodTransport(Transport):
-    """Horovod's collectives, after the ranks' first-step plan check; the check flag and byte
-    counters are made on first use (outside any ``tf.function``).
+    """Horovod's collectives, after the ranks' plan check (the first step's; with late buckets
+    every step's); the check's flag and fingerprint and the byte counters are made on first
+    use (outside any ``tf.function``).
 
     Args:
         ranks_per_node: ``None``: the flat exchange among all ranks. An integer: the
