@@ -6,7 +6,9 @@ compressor ``C`` (``--model mobilenetv2`` or ``transformer``: the network benchm
 synthetic data and per-process batch, 64 images or 4 sequences), interleaved in rounds
 (A B C A B C ...) on this noisy machine, and prints the best epoch's ms/step of each and its
 ratio to plain SGD, all measured in the same run.
-``--momentum 0.9`` gives every configuration SGD with momentum. ``--profile DIR`` also writes a
+``--momentum 0.9`` gives every configuration SGD with momentum. ``topk1_diagnostics`` and
+``topk1_norms``: TopK 1% recording the diagnostics, or only the gradient norms
+(``AutoCompression``'s record), every 5 steps. ``--profile DIR`` also writes a
 TensorFlow profiler trace of a few steps of each configuration.
 """
 
@@ -41,6 +43,9 @@ CONFIGS = {
     "fp16": lambda: tfs.FP16(),
     "bf16": lambda: tfs.BF16(),
 }
+#: name -> (configuration, the record it writes every RECORD_EVERY steps)
+RECORDS = {"topk1_diagnostics": ("topk1", "diagnostics"), "topk1_norms": ("topk1", "grad_sq_norms")}
+RECORD_EVERY = 5
 
 
 def mlp(widths: tuple[int, ...]) -> keras.Model:
@@ -65,8 +70,11 @@ def compiled(
 ) -> keras.Model:
     optimizer = keras.optimizers.SGD(0.01, momentum=momentum)
     base, late = LATE.get(name, (name, "none"))
+    base, record = RECORDS.get(base, (base, None))
     if CONFIGS[base] is not None:
         optimizer = tfs.SparsifiedOptimizer(optimizer, CONFIGS[base](), late_buckets=late)
+    if record is not None:
+        getattr(optimizer, f"enable_{record}")(RECORD_EVERY)
     # mlp10m: the MLP of --widths; else the network benchmark's model
     model = mlp(widths) if model_name == "mlp10m" else make_model(model_name, 32, seed=0)
     model.compile(
@@ -94,7 +102,7 @@ class EpochTimer(keras.callbacks.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--configs", default="sgd,topk1,qsgd4", help=f"comma list of {[*CONFIGS, *LATE]}"
+        "--configs", default="sgd,topk1,qsgd4", help=f"comma list of {[*CONFIGS, *LATE, *RECORDS]}"
     )
     parser.add_argument("--model", choices=MODELS, default="mlp10m")
     parser.add_argument("--widths", default="784,2048,2048,2048,10", help="mlp10m's layers")

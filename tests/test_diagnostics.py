@@ -1,4 +1,5 @@
-"""Diagnostics: norm gap, empirical beta, residual norm and density, on known answers."""
+"""Diagnostics (norm gap, empirical beta, residual norm and density) and the gradient-norm
+record, on known answers."""
 
 from __future__ import annotations
 
@@ -274,11 +275,8 @@ def test_diagnostics_validation():
         plot_diagnostics([], "unused.png")
 
 
-def test_diagnostics_record_is_the_mean_over_replicas(mirrored2):
-    with mirrored2.scope():
-        var = keras.Variable(np.zeros((2, 2), "float32"))
-        opt = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=1), diagnostics_every=1)
-        opt.build([var])
+def _one_step_on_two_replicas(strategy, opt, var) -> None:
+    """A step where replica 0's gradient is [[3, 4], [0, 0]] and replica 1's [[1, 0], [0, 0]]."""
 
     @tf.function
     def step():
@@ -288,12 +286,79 @@ def test_diagnostics_record_is_the_mean_over_replicas(mirrored2):
             g = tf.where(first, [[3.0, 4.0], [0.0, 0.0]], [[1.0, 0.0], [0.0, 0.0]])
             opt.apply([g], [var])
 
-        mirrored2.run(replica_fn)
+        strategy.run(replica_fn)
 
     step()
+
+
+def test_diagnostics_record_is_the_mean_over_replicas(mirrored2):
+    with mirrored2.scope():
+        var = keras.Variable(np.zeros((2, 2), "float32"))
+        opt = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=1), diagnostics_every=1)
+        opt.build([var])
+
+    _one_step_on_two_replicas(mirrored2, opt, var)
     # replica 0: [25, 25, 9, 1, 9]; replica 1: [1, 1, 0, 1, 0]
     np.testing.assert_allclose(opt.diagnostics.numpy(), [[13.0, 13.0, 4.5, 1.0, 4.5]])
     assert int(opt.diagnostics_step.numpy()) == 1
+
+
+def _three_variables() -> list[keras.Variable]:
+    return [keras.Variable(np.zeros(s, "float32")) for s in ((20, 10), (10,), (10, 5))]
+
+
+def _apply_step(opt, variables: list) -> tf.types.experimental.GenericFunction:
+    @tf.function
+    def step(grads):
+        opt.apply(grads, variables)
+
+    return step
+
+
+def test_grad_sq_norms_are_recorded_every_n_steps_and_change_nothing_else(tmp_path):
+    """Every 3 steps each unit's ||g||^2 (summed in float32), at no change to the step:
+    weights and residuals bit for bit as without the record (TopK's packed route stays). A
+    checkpoint with the record restores into an optimizer without it (a record, not state)."""
+    rng = np.random.default_rng(4)
+    grads = [[rng.normal(size=s).astype("float32") for s in ((20, 10), (10,), (10, 5))]]
+    grads += [[rng.normal(size=g.shape).astype("float32") for g in grads[0]] for _ in range(6)]
+    runs = []
+    for every in (0, 3):
+        variables = _three_variables()
+        opt = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(ratio=0.1))
+        opt.enable_grad_sq_norms(every)
+        opt.build(variables)
+        step = _apply_step(opt, variables)
+        for g in grads:
+            step([tf.constant(x) for x in g])
+        runs.append((opt, variables))
+    (plain, plain_vars), (opt, variables) = runs
+    assert plain.grad_sq_norms is None and opt.grad_sq_norms_every == 3
+    for a, b in zip(plain_vars + plain.residuals, variables + opt.residuals, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(opt.grad_sq_norms_step.numpy()) == 7  # written at steps 0, 3 and 6
+    want = [sum(np.sum(np.square(grads[6][i])) for i in u.indices) for u in opt.units]
+    np.testing.assert_allclose(opt.grad_sq_norms.numpy()[:, 0], want, rtol=1e-6)
+    path = tf.train.Checkpoint(optimizer=opt).write(str(tmp_path / "ckpt"))
+    fresh = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(ratio=0.1))
+    fresh.build(_three_variables())
+    tf.train.Checkpoint(optimizer=fresh).read(path)
+    for a, b in zip(fresh.residuals, opt.residuals, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    with pytest.raises(ValueError, match="grad_sq_norms_every"):
+        fresh.enable_grad_sq_norms(-1)
+
+
+def test_grad_sq_norms_are_the_mean_over_replicas(mirrored2):
+    with mirrored2.scope():
+        var = keras.Variable(np.zeros((2, 2), "float32"))
+        opt = tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.1), tfs.TopK(k=1))
+        opt.build([var])
+        opt.enable_grad_sq_norms(1)  # a built optimizer makes the record here
+
+    _one_step_on_two_replicas(mirrored2, opt, var)
+    np.testing.assert_array_equal(opt.grad_sq_norms.numpy(), [[13.0]])  # (25 + 1) / 2
+    assert int(opt.grad_sq_norms_step.numpy()) == 1
 
 
 @pytest.mark.example

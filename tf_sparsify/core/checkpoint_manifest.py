@@ -15,7 +15,7 @@ from tf_sparsify.compressors.base import deserialize, serialize
 from tf_sparsify.core.state_kinds import StateKind
 
 #: keys restored when both sides have them (diagnostics are a record, not training state)
-OPTIONAL_KEYS = ("diagnostics", "diagnostics_step")
+OPTIONAL_KEYS = ("diagnostics", "diagnostics_step", "grad_sq_norms", "grad_sq_norms_step")
 FORMAT = 1
 
 

@@ -2,12 +2,12 @@
 
 Every front end (the Keras wrapper, Horovod's ``DistributedOptimizer`` and
 ``GradientExchange``, ``ServerOptimizer``) keeps the same state: error-feedback residuals, DGC
-momentum buffers, the step counter that keys random choices, byte counters and the diagnostics
-record. This class holds those variables and writes each step's result back by the rules of
-:mod:`tf_sparsify.compressors.error_memory` (residuals and momenta only when the step was finite on
-every
-replica); the counters advance by what was actually sent. Front ends say only how a variable is made
-(``make_variable``) and how payloads travel (a :class:`~tf_sparsify.core.transport.Transport`).
+momentum buffers, the step counter that keys random choices, byte counters, and the diagnostics
+and gradient-norm records. This class holds those variables and writes each step's result back
+by the rules of :mod:`tf_sparsify.compressors.error_memory` (residuals and momenta only when the
+step was finite on every replica); the counters advance by what was actually sent. Front ends
+say only how a variable is made (``make_variable``) and how payloads travel (a
+:class:`~tf_sparsify.core.transport.Transport`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 import tensorflow as tf
 
 from tf_sparsify.collectives import Collective
-from tf_sparsify.common.checks import check_int
 from tf_sparsify.compat import moved_names
 from tf_sparsify.compressors.base import deserialize
 from tf_sparsify.core import late, replica_values
@@ -31,11 +30,12 @@ from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.core.plan import Unit, bytes_per_step
 from tf_sparsify.core.state_kinds import StateKind, VariableFactory
 from tf_sparsify.core.step import GradientKind, StepFlags, StepMemory, StepResult
+from tf_sparsify.core.step_records import StepRecord, grad_sq_norms
 from tf_sparsify.core.transport import Transport
 
 
 class CompressionState:
-    """Residuals, momenta, step, byte counters and diagnostics of one list of variables.
+    """Residuals, momenta, step, byte counters and records of one list of variables.
 
     Args:
         pipeline: what a step does with the gradients.
@@ -75,8 +75,9 @@ class CompressionState:
         self.states: list[tuple] = []
         self.names: tuple[str, ...] = ()
         self.bytes_sent = self.dense_bytes = None
-        self.diagnostics = self.diagnostics_step = None
-        self.diagnostics_every = 0
+        #: the diagnostics (:mod:`~tf_sparsify.core.measurements`) and each unit's ``||g||^2``
+        self.diagnostics = StepRecord("diagnostics", len(STAT_NAMES))
+        self.grad_sq_norms = StepRecord("grad_sq_norms", 1)
         #: every variable made, in order (what checkpoints hold)
         self.saved: list[Entry] = []
         self._also_saved = also_saved or (lambda: [])
@@ -159,26 +160,16 @@ class CompressionState:
             self.step = self.new_variable("step", (), tf.int64, StateKind.SHARED)
         self.bytes_sent = self.new_variable("bytes_sent", (), tf.int64, StateKind.SHARED)
         self.dense_bytes = self.new_variable("dense_bytes", (), tf.int64, StateKind.SHARED)
-        if self.diagnostics_every:
-            self._build_diagnostics()
+        for record in (self.diagnostics, self.grad_sq_norms):
+            record.build(self.new_variable, len(self.units))
 
-    def enable_diagnostics(self, every: int) -> None:
-        """Record the diagnostics every ``every`` steps (0: off); makes their variables when
-        built (call it under the strategy scope the state was built in)."""
-        self.diagnostics_every = check_int("diagnostics_every", every, minimum=0)
-        if every and self.built:
-            self._build_diagnostics()
-
-    def _build_diagnostics(self) -> None:
-        if self.diagnostics is None:
-            width = len(STAT_NAMES)
-            shape = (len(self.units), width)
-            self.diagnostics = self.new_variable(
-                "diagnostics", shape, tf.float64, StateKind.PER_REPLICA_MEAN
-            )
-            self.diagnostics_step = self.new_variable(
-                "diagnostics_step", (), tf.int64, StateKind.SHARED
-            )
+    def enable_record(self, record: StepRecord, name: str, every: int) -> None:
+        """Write ``record`` every ``every`` steps (0: off; ``name`` is the argument in errors);
+        makes its variables when built (call it under the strategy scope the state was built
+        in)."""
+        record.enable(name, every)
+        if self.built:
+            record.build(self.new_variable, len(self.units))
 
     def set_pipeline(self, pipeline: GradientPipeline, variables: Sequence | None = None) -> None:
         """Use ``pipeline`` from now on; when built, it is planned for the same variables (the
@@ -234,9 +225,9 @@ class CompressionState:
                 f"{type(self.transport).__name__} returns the averaged dense update only."
             )
         grads = collective.layout.to_layout(list(grads))
-        record = None
-        if self.diagnostics is not None:
-            record = tf.equal(self.step % self.diagnostics_every, 0)
+        record = self.diagnostics.due(self.step)
+        norms_due = self.grad_sq_norms.due(self.step)
+        norms = None if norms_due is None else grad_sq_norms(self.units, grads, norms_due)
         memory = StepMemory(
             self.residuals,  # read by the routes: a unit sent as rows reads its rows only
             self.step,
@@ -256,10 +247,14 @@ class CompressionState:
         result = dataclasses.replace(result, updates=updates, finite=finite)
         if finish is not None:
             result = finish(result)
-        self._write_back(result, record)
+        self._write_back(result)
+        self.diagnostics.write(record, result.stats, self.step)
+        if norms is not None:
+            self.grad_sq_norms.write(norms_due, norms, self.step)
+        self.step.assign_add(1)
         return result
 
-    def _write_back(self, result: StepResult, record) -> None:
+    def _write_back(self, result: StepResult) -> None:
         """Buffers only when the step was finite everywhere; counters always."""
         buffers = [(self.residuals, result.residuals), (self.momenta, result.momenta)]
         pairs = [
@@ -273,16 +268,8 @@ class CompressionState:
             if news:
                 pairs += list(zip(variables, news, strict=True))
         store_if_finite(pairs, result.finite)
-        if record is not None:
-            self.diagnostics.assign(
-                tf.where(record, result.stats, tf.convert_to_tensor(self.diagnostics))
-            )
-            done = tf.cast(self.step + 1, tf.int64)
-            previous = tf.convert_to_tensor(self.diagnostics_step)
-            self.diagnostics_step.assign(tf.where(record, done, previous))
         self.bytes_sent.assign_add(result.sent_bytes[0])
         self.dense_bytes.assign_add(result.sent_bytes[1])
-        self.step.assign_add(1)
 
 
 def per_variable_buffers(

@@ -68,12 +68,34 @@ class StateViews:
     def diagnostics(self):
         """The ``[units, 5]`` diagnostics record (``None`` until enabled and built); rows follow
         :attr:`diagnostics_names`, columns :data:`~tf_sparsify.core.measurements.STAT_NAMES`."""
-        return self._state.diagnostics
+        return self._state.diagnostics.values
 
     @property
     def diagnostics_step(self):
         """The number of steps done when the diagnostics were last recorded (0: never)."""
-        return self._state.diagnostics_step
+        return self._state.diagnostics.step
+
+    @property
+    def diagnostics_every(self) -> int:
+        """Steps between two diagnostics records (0: off)."""
+        return self._state.diagnostics.every
+
+    @property
+    def grad_sq_norms(self):
+        """The ``[units, 1]`` record of each planned message's ``||g||^2`` (its fresh gradients
+        as the exchange receives them; the mean over replicas), ``None`` until enabled and
+        built; rows follow :attr:`diagnostics_names`."""
+        return self._state.grad_sq_norms.values
+
+    @property
+    def grad_sq_norms_step(self):
+        """The number of steps done when the gradient norms were last recorded (0: never)."""
+        return self._state.grad_sq_norms.step
+
+    @property
+    def grad_sq_norms_every(self) -> int:
+        """Steps between two gradient-norm records (0: off)."""
+        return self._state.grad_sq_norms.every
 
     @property
     def diagnostics_names(self) -> tuple[str, ...]:

@@ -26,3 +26,16 @@ class FrontEnd(StateViews):
     def transport(self) -> Transport:
         """How the payloads travel between replicas."""
         return self._state.transport
+
+    def enable_diagnostics(self, every: int) -> None:
+        """Record the diagnostics every ``every`` steps (0: off) from the next trace of the
+        step on (a step traced before must be retraced). A built state makes their variables
+        here: call it under the strategy scope it was built in."""
+        self._state.enable_record(self._state.diagnostics, "diagnostics_every", every)
+
+    def enable_grad_sq_norms(self, every: int) -> None:
+        """Record each unit's ``||g||^2`` every ``every`` steps (0: off; see
+        :attr:`grad_sq_norms`), as :meth:`enable_diagnostics` does. Unlike the diagnostics it
+        leaves the step's routes as they are: a recorded step costs one pass over the
+        gradients."""
+        self._state.enable_record(self._state.grad_sq_norms, "grad_sq_norms_every", every)

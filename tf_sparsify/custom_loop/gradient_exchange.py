@@ -64,7 +64,7 @@ class GradientExchange(FrontEnd, tf.Module):
         pipeline = GradientPipeline(Identity() if compressor is None else compressor, **options)
         self._state = CompressionState(pipeline, self._make_variable, transport)
         self._state.step = self._state.new_variable("step", (), tf.int64, StateKind.SHARED)
-        self._state.enable_diagnostics(diagnostics_every)
+        self.enable_diagnostics(diagnostics_every)
         #: what ``tf.train.Checkpoint(exchange=...)`` saves: the whole state as one entry
         self._checkpointed = self._state.checkpoint
         # The variables' signature, kept out of checkpoints (plain objects are not tracked).

@@ -1,13 +1,13 @@
 """``AutoCompression``: the Keras callback that runs an ``Auto`` compressor's decisions.
 
-It turns on the optimizer's diagnostics (every ``interval // 4`` steps, unless they are on
-already) for each unit's gradient norm. After the first step it measures the link through the
-optimizer's transport (or takes the one given) and each setting's own cost; then every
-``interval`` steps it hands the interval's median step and each unit's mean gradient norm to
-the tuner
-(:class:`~tf_sparsify.core.auto_tuner.AutoTuner`), and when the levels change it gives the
-optimizer the new ``Auto`` (:meth:`~tf_sparsify.keras.SparsifiedOptimizer.set_compressor`:
-residuals carry over) and makes Keras retrace the step, between two steps.
+It turns on the optimizer's record of each unit's gradient norm (every ``interval // 4`` steps,
+unless it is on already; the step's routes stay as they are). After the first step it measures
+the link through the optimizer's transport (or takes the one given) and each setting's own
+cost; then every ``interval`` steps it hands the interval's median step and each unit's mean
+gradient norm to the tuner (:class:`~tf_sparsify.core.auto_tuner.AutoTuner`), and when the
+levels change it gives the optimizer the new ``Auto``
+(:meth:`~tf_sparsify.keras.SparsifiedOptimizer.set_compressor`: residuals carry over) and makes
+Keras retrace the step, between two steps.
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ class AutoCompression(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         opt = self._optimizer()
-        if not opt.diagnostics_every:  # the gradient norms, before the step is traced
+        if not opt.grad_sq_norms_every:  # the gradient norms, before the step is traced
             with self.model.distribute_strategy.scope():
-                opt.enable_diagnostics(max(1, self.interval // 4))
+                opt.enable_grad_sq_norms(max(1, self.interval // 4))
             self.model.make_train_function(force=True)
         self._last = None
 
@@ -140,11 +140,11 @@ class AutoCompression(keras.callbacks.Callback):
         )
         self._collective = collective
         self._opt = opt
-        # the diagnostics row of each compressed unit (a change of setting keeps the units)
+        # the record's row of each compressed unit (a change of setting keeps the units)
         rows = {u.indices: r for r, u in enumerate(opt.units)}
         self._rows = [rows[u.indices] for u in units]
         self._norms: list[list[float]] = []
-        self._sampled = int(opt.diagnostics_step.numpy())
+        self._sampled = int(opt.grad_sq_norms_step.numpy())
         self._times = []
         self._last = time.perf_counter()
         self.overhead += self._last - began
@@ -167,12 +167,12 @@ class AutoCompression(keras.callbacks.Callback):
         return pinned
 
     def _sample_norms(self) -> None:
-        """Each unit's gradient norm at the last step the diagnostics recorded, if new."""
-        step = int(self._opt.diagnostics_step.numpy())
+        """Each unit's gradient norm at the last step the record was written, if new."""
+        step = int(self._opt.grad_sq_norms_step.numpy())
         if step == self._sampled:
             return
         self._sampled = step
-        grad_sq = self._opt.diagnostics.numpy()[self._rows, 0]
+        grad_sq = self._opt.grad_sq_norms.numpy()[self._rows, 0]
         self._norms.append([math.sqrt(g) for g in grad_sq])
 
     def _decide(self) -> None:

@@ -115,7 +115,7 @@ class SparsifiedOptimizer(OptimizerVariables, FrontEnd, keras.optimizers.Optimiz
             step=keras_private.iterations_variable(self),
             also_saved=self._optimizer_entries,
         )
-        self._state.enable_diagnostics(diagnostics_every)
+        self.enable_diagnostics(diagnostics_every)
 
     # -- state --------------------------------------------------------------------------------
     @keras_private.no_automatic_dependency_tracking
@@ -128,17 +128,6 @@ class SparsifiedOptimizer(OptimizerVariables, FrontEnd, keras.optimizers.Optimiz
         keras_private.index_variables(self, var_list)
         self.built = True
         self._state.checkpoint.build()  # a restore that came first
-
-    @property
-    def diagnostics_every(self) -> int:
-        return self._state.diagnostics_every
-
-    def enable_diagnostics(self, every: int) -> None:
-        """Record diagnostics every ``every`` steps from the next trace of the train step on
-        (callers that already traced it must retrace: ``model.make_train_function(force=True)``).
-        A built optimizer creates its diagnostics variables here: call it under the model's
-        distribution strategy scope."""
-        self._state.enable_diagnostics(every)
 
     def set_compressor(self, compressor: Compressor) -> None:
         """Use ``compressor`` from the next trace of the train step on (e.g. a new density).
