@@ -7,7 +7,13 @@ import math
 
 import pytest
 
-from tf_sparsify.step_model.choice import Setting, choose, critical, predicted_step
+from tf_sparsify.step_model.choice import (
+    Setting,
+    choose,
+    compute_for,
+    critical,
+    predicted_step,
+)
 from tf_sparsify.step_model.methods import DenseAllReduce, TopKAllGather
 from tf_sparsify.step_model.network import Cluster, Link
 from tf_sparsify.step_model.shapes import Layers
@@ -62,6 +68,25 @@ def test_the_least_compression_that_hides_is_taken():
     choice = choose(UNITS, SETTINGS, cluster(0.5), COMPUTE, late_buckets="last")
     assert choice.hidden and choice.levels == (0, 1)
     assert choice.step == pytest.approx(COMPUTE + 0.003)
+
+
+def test_host_work_does_not_hide_so_it_is_compressed_away():
+    """The same exchanges, each also 0.2 s of work on the cores the compute needs (a CPU-only
+    job on a loopback link): under compute they hid, nothing was compressed; as host work they
+    add to the compute (1.4 s dense), and TopK 1% on both units leaves 1/40 of it plus its own
+    cost. The compute calibrated from that step is the compute again."""
+    late = {"late_buckets": "last"}
+    assert choose(UNITS, SETTINGS, cluster(0.2), COMPUTE, **late).levels == (0, 0)
+    host = {**late, "host": cluster(0.2)}
+    dense = predicted_step((0, 0), UNITS, SETTINGS, cluster(0.2), COMPUTE, **host)
+    assert dense.step == pytest.approx(1.4) and dense.host == pytest.approx(0.4)
+    choice = choose(UNITS, SETTINGS, cluster(0.2), COMPUTE, **host)
+    assert choice.levels == (2, 2) and 0 < choice.host < 0.4 / 30
+    assert choice.step == pytest.approx(COMPUTE + choice.host + choice.overhead)
+    measured = choice.step
+    assert compute_for(measured, (2, 2), UNITS, SETTINGS, cluster(0.2), **host) == pytest.approx(
+        COMPUTE, rel=1e-5
+    )
 
 
 def test_compression_that_costs_more_than_it_saves_is_not_taken():

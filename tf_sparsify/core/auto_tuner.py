@@ -4,7 +4,8 @@ At the end of each interval a front end hands the tuner the interval's step time
 unit's mean gradient norm over the interval (both agreed over the ranks). The tuner then
 
 1. calibrates the compute-only time: the compute for which the step model predicts the
-   measured step at the levels the interval ran (:func:`~.choice.compute_for`);
+   measured step at the levels the interval ran (:func:`~.choice.compute_for`; with the
+   exchange's host work when the compute shares the cores it runs on);
 2. flags the units in a critical phase by Accordion's rule (:func:`~.choice.critical`) on the
    gradient norms: the norm of the gradient before compression, so a unit's own setting does
    not move it (its update's norm would: TopK holds mass back in the residual);
@@ -61,7 +62,9 @@ class Decision:
 class AutoTuner:
     """Chooses ``auto``'s levels for units of ``shapes`` (the compressed units' gradient
     shapes, in position order) on ``cluster`` (``NO_LINK`` for one replica), with each
-    setting's measured ``seconds_per_element``."""
+    setting's measured ``seconds_per_element``; ``host``: the exchange's host work
+    (:meth:`~tf_sparsify.step_model.link_fit.LinkMeasurement.host`) where compute runs on the
+    same cores, else None."""
 
     def __init__(
         self,
@@ -74,6 +77,7 @@ class AutoTuner:
         critical_level: int = 1,
         late_buckets: Late = "none",
         pinned: Mapping[int, int] | None = None,
+        host: Cluster | None = None,
     ):
         if not isinstance(auto, Auto):
             raise ValueError(f"`auto` must be a tf_sparsify.Auto; received auto={auto!r}")
@@ -85,6 +89,7 @@ class AutoTuner:
         self.critical_level = check_int("critical_level", critical_level, 0, len(auto.names) - 1)
         self.late_buckets = late_buckets
         self.pinned = dict(pinned or {})
+        self.host = host
         self.previous_norms: list[float] | None = None
         self.decisions: list[Decision] = []
 
@@ -103,7 +108,7 @@ class AutoTuner:
             )
         flags = critical(list(norms), self.previous_norms, self.eta)
         self.previous_norms = [float(n) for n in norms]
-        model = dict(cluster=self.cluster, late_buckets=self.late_buckets)
+        model = dict(cluster=self.cluster, late_buckets=self.late_buckets, host=self.host)
         compute = compute_for(measured, self.levels, self.units, self.settings, **model)
         choice = choose(
             self.units,

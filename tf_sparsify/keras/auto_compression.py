@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tf_sparsify.common.checks import check_int
 from tf_sparsify.compressors.auto import Auto
@@ -137,6 +138,7 @@ class AutoCompression(keras.callbacks.Callback):
             critical_level=self.critical_level,
             late_buckets=opt.pipeline.options.late_buckets,
             pinned=self._pinned_levels(opt, units, auto),
+            host=self._host(),
         )
         self._collective = collective
         self._opt = opt
@@ -148,6 +150,13 @@ class AutoCompression(keras.callbacks.Callback):
         self._times = []
         self._last = time.perf_counter()
         self.overhead += self._last - began
+
+    def _host(self):
+        """The exchange's host work where the step computes on the CPU (no GPU): the cores the
+        collective's copies and sums need too. None with a GPU, or a link without CPU times."""
+        if self.link is None or tf.config.list_logical_devices("GPU"):
+            return None
+        return self.link.host()
 
     def _pinned_levels(self, opt, units: list, auto: Auto) -> dict[int, int]:
         names = dict(zip((u.indices for u in opt.units), opt.diagnostics_names, strict=True))

@@ -13,7 +13,9 @@ same choice, and a unit is never compressed more than the step needs.
 Each unit's exchange is priced alone (its own collective: one call cost per unit), and the step
 is :func:`.predict.step_time` with backprop overlap: a unit's exchange starts when backward has
 made its gradient (the last unit's first), and late units (``late_buckets``) from the step's
-start.
+start. Given the exchange's host work (``host``: the CPU time of the same collectives, from
+:meth:`~.link_fit.LinkMeasurement.host`), that work adds to the compute: where compute runs on
+the cores the collective's copies and sums run on (a CPU-only job), none of it can hide.
 
 The accuracy guard is Accordion's (Agarwal et al., MLSys 2021): a unit is in a critical phase
 when the norm of its gradient summed over an interval changed by ``eta`` or more (relative)
@@ -85,6 +87,8 @@ class Choice:
     step: float
     compute: float
     overhead: float
+    #: the exchange's host work (0 without ``host``)
+    host: float = 0.0
 
     @property
     def hidden(self) -> bool:
@@ -99,18 +103,32 @@ def predicted_step(
     compute: float,
     late_buckets: Late = "none",
     backward_fraction: float = BACKWARD_FRACTION,
+    host: Cluster | None = None,
 ) -> Choice:
-    """The step of ``units`` (first layer's first) sent at these setting ``levels``."""
+    """The step of ``units`` (first layer's first) sent at these setting ``levels``; ``host``:
+    the exchange's host work, which does not hide (None: all of the exchange may)."""
     sizes = units.sizes
-    comms = [
-        comm_time(settings[level].method, Layers((shape,)), cluster)
-        for shape, level in zip(units.shapes, levels, strict=True)
-    ]
+
+    def exchange(on: Cluster) -> list[float]:
+        return [
+            comm_time(settings[level].method, Layers((shape,)), on)
+            for shape, level in zip(units.shapes, levels, strict=True)
+        ]
+
     overhead = sum(
         settings[lv].seconds_per_element * n for lv, n in zip(levels, sizes, strict=True)
     )
-    step = step_time(compute, overhead, comms, "backprop", late_buckets, sizes, backward_fraction)
-    return Choice(tuple(levels), step, compute, overhead)
+    work = 0.0 if host is None else sum(exchange(host))
+    step = step_time(
+        compute + work,
+        overhead,
+        exchange(cluster),
+        "backprop",
+        late_buckets,
+        sizes,
+        backward_fraction,
+    )
+    return Choice(tuple(levels), step, compute, overhead, work)
 
 
 def choose(
@@ -124,10 +142,11 @@ def choose(
     critical_level: int = 1,
     late_buckets: Late = "none",
     backward_fraction: float = BACKWARD_FRACTION,
+    host: Cluster | None = None,
 ) -> Choice:
     """The levels for ``units`` (see the module's docstring); ``pinned``: ``{unit: level}``;
     ``critical``: per unit, whether it is in a critical phase (then at most
-    ``critical_level``)."""
+    ``critical_level``); ``host`` as :func:`predicted_step` takes it."""
     compute = check_number("compute", compute, low=0)
     n, top = len(units.shapes), len(settings) - 1
     if top < 0:
@@ -145,7 +164,7 @@ def choose(
 
     def step_of(levels: Sequence[int]) -> Choice:
         return predicted_step(
-            levels, units, settings, cluster, compute, late_buckets, backward_fraction
+            levels, units, settings, cluster, compute, late_buckets, backward_fraction, host
         )
 
     best = step_of(levels)
@@ -167,15 +186,16 @@ def compute_for(
     cluster: Cluster,
     late_buckets: Late = "none",
     backward_fraction: float = BACKWARD_FRACTION,
+    host: Cluster | None = None,
 ) -> float:
     """The compute-only time for which :func:`predicted_step` gives the ``measured`` step at
     these ``levels`` (the predicted step grows with the compute; 0 when the exchange and the
-    compression costs alone take longer than ``measured``)."""
+    compression costs alone take longer than ``measured``); ``host`` as there."""
     measured = check_number("measured", measured, low=0)
 
     def step(compute: float) -> float:
         return predicted_step(
-            levels, units, settings, cluster, compute, late_buckets, backward_fraction
+            levels, units, settings, cluster, compute, late_buckets, backward_fraction, host
         ).step
 
     low, high = 0.0, measured

@@ -3,7 +3,10 @@ squares, as :mod:`.network` prices a collective (``bytes_sent``: what one worker
 link, ``2 (P - 1) / P`` of the payload for a ring all-reduce).
 
 The measurements come from :func:`tf_sparsify.core.link_probe.measure_link` (the real collective)
-and travel as JSON (``python -m tf_sparsify probe-link``, read by ``whatif --link``).
+and travel as JSON (``python -m tf_sparsify probe-link``, read by ``whatif --link``). With the
+process's CPU time of each all-reduce (``cpu_seconds``) the same fit gives the exchange's host
+work (:meth:`LinkMeasurement.host`): what the ranks' own cores spend on it, which compute that
+runs on those cores cannot overlap.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from tf_sparsify.step_model.network import Cluster, Link, all_reduce
 @dataclass(frozen=True)
 class LinkMeasurement:
     """All-reduces of ``payload_bytes`` over ``workers`` took ``seconds`` (each the median of
-    its repeats, averaged over the workers, so that every worker holds the same numbers)."""
+    its repeats, averaged over the workers, so that every worker holds the same numbers), and
+    ``cpu_seconds`` of the process's CPU time (None: not measured)."""
 
     workers: int
     payload_bytes: tuple[int, ...]
     seconds: tuple[float, ...]
+    cpu_seconds: tuple[float, ...] | None = None
 
     def __post_init__(self):
         check_int("workers", self.workers, 2)
@@ -43,6 +48,14 @@ class LinkMeasurement:
             check_int("payload_bytes", size)
         for t in self.seconds:
             check_number("seconds", t, 0, low_open=True)
+        if self.cpu_seconds is not None:
+            if len(self.cpu_seconds) != len(self.payload_bytes):
+                raise ValueError(
+                    "`cpu_seconds` must hold one time per payload size "
+                    f"({len(self.payload_bytes)}); got {len(self.cpu_seconds)}"
+                )
+            for t in self.cpu_seconds:
+                check_number("cpu_seconds", t, 0)
 
     def bytes_sent(self) -> list[float]:
         """What one worker sends in each all-reduce (ring)."""
@@ -51,8 +64,18 @@ class LinkMeasurement:
     def link(self) -> Link:
         """The least-squares ``call_overhead`` (at least 0) and ``bandwidth`` (``inf`` where
         the time does not grow with the bytes)."""
+        return self._fit(self.seconds)
+
+    def host(self) -> Cluster | None:
+        """The exchange's host work as a cluster whose link takes the CPU time per call and
+        per byte (the same fit on ``cpu_seconds``); None when they were not measured."""
+        if self.cpu_seconds is None:
+            return None
+        return Cluster(nodes=self.workers, inter=self._fit(self.cpu_seconds))
+
+    def _fit(self, times: tuple[float, ...]) -> Link:
         sent = np.asarray(self.bytes_sent(), np.float64)
-        seconds = np.asarray(self.seconds, np.float64)
+        seconds = np.asarray(times, np.float64)
         slope, intercept = np.polyfit(sent, seconds, 1)
         if intercept < 0:  # the times are proportional: a line through 0
             slope, intercept = float(sent @ seconds / (sent @ sent)), 0.0
@@ -73,4 +96,10 @@ class LinkMeasurement:
         data = json.loads(text)
         if not isinstance(data, dict) or not {"workers", "payload_bytes", "seconds"} <= set(data):
             raise ValueError("expected a JSON object with workers, payload_bytes and seconds")
-        return cls(data["workers"], tuple(data["payload_bytes"]), tuple(data["seconds"]))
+        cpu = data.get("cpu_seconds")
+        return cls(
+            data["workers"],
+            tuple(data["payload_bytes"]),
+            tuple(data["seconds"]),
+            None if cpu is None else tuple(cpu),
+        )
