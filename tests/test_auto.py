@@ -187,6 +187,7 @@ def test_fit_changes_the_settings_between_steps_and_logs_them():
     assert any(s[0].startswith("topk") for s in names[1:])
     assert all(s[2] == "fp16" for s in names)
     assert model.optimizer.compressor.levels == callback.decisions[-1].levels
+    assert callback.link is CRAWL and not callback.links  # a link given is kept
     assert np.isfinite(history.history["loss"]).all()
     assert history.history["loss"][-1] < history.history["loss"][0]
     logs = {k: v[-1] for k, v in history.history.items()}
@@ -203,11 +204,14 @@ def test_under_mirrored_the_link_is_measured_and_it_stays_dense_on_one_machine(m
             tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.05), tfs.Auto()),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-    callback = tfs.AutoCompression(interval=4)
+    callback = tfs.AutoCompression(interval=4, link_every=1)
     x, y = _data()
     model.fit(x, y, batch_size=64, epochs=1, callbacks=[callback], verbose=0)
     assert callback.link is not None and callback.link.workers == 2
     assert callback.decisions and callback.overhead > 0
+    # measured after step 1, again before the decision after step 8 (not before the first)
+    assert [step for step, _ in callback.links] == [1, 8]
+    assert callback.link is callback.links[-1][1] and callback.link.cpu_seconds is not None
 
 
 def test_the_callback_needs_an_auto_compressor():
@@ -219,6 +223,8 @@ def test_the_callback_needs_an_auto_compressor():
         tfs.AutoCompression(interval=1)
     with pytest.raises(ValueError, match="`link`"):
         tfs.AutoCompression(link="1gbit")
+    with pytest.raises(ValueError, match="link_every"):
+        tfs.AutoCompression(link_every=0)
 
 
 def test_a_checkpoint_restores_the_decisions_with_the_residuals(tmp_path):

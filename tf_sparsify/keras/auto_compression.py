@@ -36,8 +36,10 @@ class AutoCompression(keras.callbacks.Callback):
 
     Args:
         interval: steps between decisions (at least 2).
-        link: the link measured before (``python -m tf_sparsify probe-link``), or None to
-            measure it after the first step (one replica: nothing to measure).
+        link: the link measured before (``python -m tf_sparsify probe-link``), kept as it is,
+            or None to measure it after the first step (one replica: nothing to measure).
+        link_every: decisions between two measurements of the link (a shared link's load
+            changes), or None to measure it once.
         eta: Accordion's threshold on the relative change of a unit's mean gradient norm.
         critical_level: the most compression a unit gets in a critical phase (1: the 16-bit
             cast).
@@ -46,7 +48,8 @@ class AutoCompression(keras.callbacks.Callback):
             ``"fp16"``, ``"topk1%"``, ...): those units keep that setting.
         verbose: 1 prints each decision.
 
-    :attr:`decisions` lists every decision; the epoch logs get ``auto_measured_step_ms``,
+    :attr:`decisions` lists every decision, :attr:`links` every link measured (with the step);
+    the epoch logs get ``auto_measured_step_ms``,
     ``auto_predicted_step_ms`` and ``auto_units_<setting>`` (how many units use it).
     """
 
@@ -55,6 +58,7 @@ class AutoCompression(keras.callbacks.Callback):
         interval: int = 100,
         link: LinkMeasurement | None = None,
         *,
+        link_every: int | None = 10,
         eta: float = ETA,
         critical_level: int = 1,
         pinned: Mapping[str, str] | None = None,
@@ -65,6 +69,9 @@ class AutoCompression(keras.callbacks.Callback):
         if link is not None and not isinstance(link, LinkMeasurement):
             raise ValueError(f"`link` must be a LinkMeasurement or None; received link={link!r}")
         self.link = link
+        self.link_every = None if link_every is None else check_int("link_every", link_every)
+        #: ``(steps done, link)`` for each measurement of the link
+        self.links: list[tuple[int, LinkMeasurement]] = []
         self.eta = eta
         self.critical_level = critical_level
         self.pinned = dict(pinned or {})
@@ -123,7 +130,7 @@ class AutoCompression(keras.callbacks.Callback):
         units = self._units(opt)
         collective = opt.transport.job_collective()
         if self.link is None and collective is not None:
-            self.link = measure_link(collective)
+            self._measure_link(collective)
         cluster = NO_LINK if self.link is None else self.link.cluster()
         auto = opt.compressor
         costs = seconds_per_element(
@@ -150,6 +157,10 @@ class AutoCompression(keras.callbacks.Callback):
         self._times = []
         self._last = time.perf_counter()
         self.overhead += self._last - began
+
+    def _measure_link(self, collective) -> None:
+        self.link = measure_link(collective)
+        self.links.append((self._steps, self.link))
 
     def _host(self):
         """The exchange's host work where the step computes on the CPU (no GPU): the cores the
@@ -189,15 +200,20 @@ class AutoCompression(keras.callbacks.Callback):
         measured, *norms = agree(
             [statistics.median(self._times), *np.mean(self._norms, axis=0)], self._collective
         )
+        done = len(self.tuner.decisions)  # the first one uses the link measured at the start
+        if self.links and self.link_every and done and done % self.link_every == 0:
+            self._measure_link(self._collective)
+            self.tuner.cluster, self.tuner.host = self.link.cluster(), self._host()
         before = self.tuner.levels
         decision = self.tuner.decide(self._steps, measured, norms)
+        if self.verbose:
+            print(decision.summary())
+        self._times, self._norms = [], []
+        self._last = time.perf_counter()  # the next step's time leaves the decision out
         if decision.levels != before:
             self._opt.set_compressor(self.tuner.auto)
             self.model.make_train_function(force=True)
             self._last = None  # the next step retraces: no step time
-        if self.verbose:
-            print(decision.summary())
-        self._times, self._norms = [], []
         self.overhead += time.perf_counter() - began
 
     def on_epoch_end(self, epoch, logs=None):
