@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import keras
@@ -193,6 +194,46 @@ def test_fit_changes_the_settings_between_steps_and_logs_them():
     logs = {k: v[-1] for k, v in history.history.items()}
     assert sum(logs[f"auto_units_{n}"] for n in tfs.Auto().names) == 4
     assert logs["auto_predicted_step_ms"] > 0 and logs["auto_measured_step_ms"] > 0
+
+
+def test_a_custom_loop_changes_the_settings_and_retraces_when_told():
+    """``AutoSteps`` on a ``GradientExchange``: the same decisions as in ``fit`` (the slow
+    link given, ``eta`` high), the loop retraces its step each time ``step_done`` says the
+    settings changed, and training goes on."""
+    model = _model()
+    exchange = tfs.GradientExchange(tfs.Auto())
+    auto = tfs.AutoSteps(interval=4, link=CRAWL, eta=10)
+    assert auto.attach(exchange) and exchange.grad_sq_norms_every == 1
+    sgd = keras.optimizers.SGD(0.05)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        sgd.apply(exchange.updates(grads, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    x, y = _data()
+    step, traces, losses = tf.function(train_step), 1, []
+    for i in range(0, 512, 32):
+        losses.append(float(step(x[i : i + 32], y[i : i + 32])))
+        if auto.step_done():
+            step, traces = tf.function(train_step), traces + 1
+    names = [d.settings for d in auto.decisions]
+    assert len(names) == 4 and names[0][0] == "fp16"
+    assert any(s[0].startswith("topk") for s in names[1:])
+    assert exchange.compressor.levels == auto.decisions[-1].levels
+    changes = sum(a.levels != b.levels for a, b in itertools.pairwise(auto.decisions))
+    assert traces == 2 + changes  # the first trace, the change from dense, the others
+    assert np.isfinite(losses).all() and np.mean(losses[-4:]) < np.mean(losses[:4])
+
+
+def test_auto_steps_needs_an_auto_front_end_and_to_be_attached():
+    with pytest.raises(ValueError, match="compressor is tf_sparsify.Auto"):
+        tfs.AutoSteps().attach(tfs.GradientExchange(tfs.TopK(0.01)))
+    with pytest.raises(ValueError, match="attach"):
+        tfs.AutoSteps().step_done()
 
 
 def test_under_mirrored_the_link_is_measured_and_it_stays_dense_on_one_machine(mirrored2):

@@ -20,6 +20,7 @@ from tf_sparsify.compressors import (
 from tf_sparsify.core.options import ExchangeOptions
 from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.core.transport import Transport
+from tf_sparsify.custom_loop.auto_steps import AutoSteps
 from tf_sparsify.custom_loop.gradient_exchange import GradientExchange
 from tf_sparsify.heuristics import dgc_density_schedule
 from tf_sparsify.keras import (
@@ -41,6 +42,7 @@ __all__ = [
     "QSGD",
     "Auto",
     "AutoCompression",
+    "AutoSteps",
     "CompressionDiagnostics",
     "CompressionStats",
     "Compressor",

@@ -27,6 +27,13 @@ class FrontEnd(StateViews):
         """How the payloads travel between replicas."""
         return self._state.transport
 
+    def set_compressor(self, compressor: Compressor) -> None:
+        """Use ``compressor`` from the next trace of the step on (e.g. a new density; a step
+        traced before must be retraced). Everything else stays; residuals and momenta carry
+        over. Under Horovod every rank must make the same change (a rank that does not fails
+        by name)."""
+        self._state.set_pipeline(self.pipeline.with_compressor(compressor))
+
     def enable_diagnostics(self, every: int) -> None:
         """Record the diagnostics every ``every`` steps (0: off) from the next trace of the
         step on (a step traced before must be retraced). A built state makes their variables

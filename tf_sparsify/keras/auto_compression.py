@@ -1,225 +1,80 @@
 """``AutoCompression``: the Keras callback that runs an ``Auto`` compressor's decisions.
 
-It turns on the optimizer's record of each unit's gradient norm (every ``interval // 4`` steps,
-unless it is on already; the step's routes stay as they are). After the first step it measures
-the link through the optimizer's transport (or takes the one given) and each setting's own
-cost; then every ``interval`` steps it hands the interval's median step and each unit's mean
-gradient norm to the tuner (:class:`~tf_sparsify.core.auto_tuner.AutoTuner`), and when the
-levels change it gives the optimizer the new ``Auto``
-(:meth:`~tf_sparsify.keras.SparsifiedOptimizer.set_compressor`: residuals carry over) and makes
-Keras retrace the step, between two steps.
+It attaches :class:`~tf_sparsify.custom_loop.auto_steps.AutoSteps` to the model's
+``SparsifiedOptimizer`` when training begins and calls it after every batch; when the settings
+change, Keras retraces the step before the next one (``make_train_function(force=True)``).
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
-from collections.abc import Mapping
+from typing import Any
 
 import keras
-import numpy as np
-import tensorflow as tf
 
-from tf_sparsify.common.checks import check_int
-from tf_sparsify.compressors.auto import Auto
-from tf_sparsify.core.auto_tuner import NO_LINK, AutoTuner, Decision
-from tf_sparsify.core.codec_cost import seconds_per_element
-from tf_sparsify.core.link_probe import agree, measure_link
+from tf_sparsify.core.auto_tuner import AutoTuner, Decision
+from tf_sparsify.custom_loop.auto_steps import AutoSteps
 from tf_sparsify.keras.wrapped import find_sparsified
-from tf_sparsify.step_model.choice import ETA
 from tf_sparsify.step_model.link_fit import LinkMeasurement
 
 
 class AutoCompression(keras.callbacks.Callback):
-    """Chooses the setting of each unit of the optimizer's :class:`~tf_sparsify.Auto`.
-
-    Args:
-        interval: steps between decisions (at least 2).
-        link: the link measured before (``python -m tf_sparsify probe-link``), kept as it is,
-            or None to measure it after the first step (one replica: nothing to measure).
-        link_every: decisions between two measurements of the link (a shared link's load
-            changes), or None to measure it once.
-        eta: Accordion's threshold on the relative change of a unit's mean gradient norm.
-        critical_level: the most compression a unit gets in a critical phase (1: the 16-bit
-            cast).
-        pinned: ``{variable path: setting name}`` (a path as ``variable.path`` gives it,
-            e.g. ``"model/dense/kernel"``; a setting as ``Auto.names``: ``"dense"``,
-            ``"fp16"``, ``"topk1%"``, ...): those units keep that setting.
-        verbose: 1 prints each decision.
+    """Chooses the setting of each unit of the optimizer's :class:`~tf_sparsify.Auto`; the
+    arguments are :class:`~tf_sparsify.custom_loop.auto_steps.AutoSteps`'.
 
     :attr:`decisions` lists every decision, :attr:`links` every link measured (with the step);
-    the epoch logs get ``auto_measured_step_ms``,
-    ``auto_predicted_step_ms`` and ``auto_units_<setting>`` (how many units use it).
+    the epoch logs get ``auto_measured_step_ms``, ``auto_predicted_step_ms`` and
+    ``auto_units_<setting>`` (how many units use it).
     """
 
-    def __init__(
-        self,
-        interval: int = 100,
-        link: LinkMeasurement | None = None,
-        *,
-        link_every: int | None = 10,
-        eta: float = ETA,
-        critical_level: int = 1,
-        pinned: Mapping[str, str] | None = None,
-        verbose: int = 0,
-    ):
+    def __init__(self, interval: int = 100, link: LinkMeasurement | None = None, **options: Any):
         super().__init__()
-        self.interval = check_int("interval", interval, 2)
-        if link is not None and not isinstance(link, LinkMeasurement):
-            raise ValueError(f"`link` must be a LinkMeasurement or None; received link={link!r}")
-        self.link = link
-        self.link_every = None if link_every is None else check_int("link_every", link_every)
-        #: ``(steps done, link)`` for each measurement of the link
-        self.links: list[tuple[int, LinkMeasurement]] = []
-        self.eta = eta
-        self.critical_level = critical_level
-        self.pinned = dict(pinned or {})
-        self.verbose = verbose
-        self.tuner: AutoTuner | None = None
-        #: seconds spent measuring and deciding (not training)
-        self.overhead = 0.0
-        self._times: list[float] = []
-        self._last: float | None = None
-        self._steps = 0
+        #: the decisions' driver (``options``: ``link_every``, ``eta``, ``critical_level``,
+        #: ``pinned``, ``verbose``)
+        self.steps = AutoSteps(interval, link, **options)
 
     @property
     def decisions(self) -> list[Decision]:
-        return [] if self.tuner is None else list(self.tuner.decisions)
+        return self.steps.decisions
 
-    def _optimizer(self):
+    @property
+    def link(self) -> LinkMeasurement | None:
+        return self.steps.link
+
+    @property
+    def links(self) -> list[tuple[int, LinkMeasurement]]:
+        return self.steps.links
+
+    @property
+    def overhead(self) -> float:
+        """Seconds spent measuring and deciding (not training)."""
+        return self.steps.overhead
+
+    @property
+    def tuner(self) -> AutoTuner | None:
+        return self.steps.tuner
+
+    def on_train_begin(self, logs=None):
         opt = find_sparsified(self.model.optimizer)
-        if opt is None or not isinstance(opt.compressor, Auto):
+        if opt is None:
             raise ValueError(
                 "AutoCompression needs a model compiled with a SparsifiedOptimizer whose "
                 f"compressor is tf_sparsify.Auto(); got optimizer={self.model.optimizer!r}"
             )
-        return opt
-
-    def on_train_begin(self, logs=None):
-        opt = self._optimizer()
-        if not opt.grad_sq_norms_every:  # the gradient norms, before the step is traced
-            with self.model.distribute_strategy.scope():
-                opt.enable_grad_sq_norms(max(1, self.interval // 4))
-            self.model.make_train_function(force=True)
-        self._last = None
+        with self.model.distribute_strategy.scope():
+            if self.steps.attach(opt):  # the gradient norms, before the step is traced
+                self.model.make_train_function(force=True)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._last = None  # the gap between epochs is no step
+        self.steps.pause()  # the gap between epochs is no step
 
     def on_train_batch_end(self, batch, logs=None):
-        now = time.perf_counter()
-        if self._last is not None:
-            self._times.append(now - self._last)
-        self._last = now
-        self._steps += 1
-        if self.tuner is None:
-            self._start()
-        else:
-            self._sample_norms()
-            if self._steps % self.interval == 0 and self._times and self._norms:
-                self._decide()
-
-    def _units(self, opt) -> list:
-        return sorted((u for u in opt.units if u.position is not None), key=lambda u: u.position)
-
-    def _start(self) -> None:
-        """After the first step (the optimizer is built): the link and the settings' costs."""
-        began = time.perf_counter()
-        opt = self._optimizer()
-        units = self._units(opt)
-        collective = opt.transport.job_collective()
-        if self.link is None and collective is not None:
-            self._measure_link(collective)
-        cluster = NO_LINK if self.link is None else self.link.cluster()
-        auto = opt.compressor
-        costs = seconds_per_element(
-            auto.settings, max((u.num_elements for u in units), default=1), collective
-        )
-        self.tuner = AutoTuner(
-            auto,
-            [tuple(u.shape) for u in units],
-            cluster,
-            costs,
-            eta=self.eta,
-            critical_level=self.critical_level,
-            late_buckets=opt.pipeline.options.late_buckets,
-            pinned=self._pinned_levels(opt, units, auto),
-            host=self._host(),
-        )
-        self._collective = collective
-        self._opt = opt
-        # the record's row of each compressed unit (a change of setting keeps the units)
-        rows = {u.indices: r for r, u in enumerate(opt.units)}
-        self._rows = [rows[u.indices] for u in units]
-        self._norms: list[list[float]] = []
-        self._sampled = int(opt.grad_sq_norms_step.numpy())
-        self._times = []
-        self._last = time.perf_counter()
-        self.overhead += self._last - began
-
-    def _measure_link(self, collective) -> None:
-        self.link = measure_link(collective)
-        self.links.append((self._steps, self.link))
-
-    def _host(self):
-        """The exchange's host work where the step computes on the CPU (no GPU): the cores the
-        collective's copies and sums need too. None with a GPU, or a link without CPU times."""
-        if self.link is None or tf.config.list_logical_devices("GPU"):
-            return None
-        return self.link.host()
-
-    def _pinned_levels(self, opt, units: list, auto: Auto) -> dict[int, int]:
-        names = dict(zip((u.indices for u in opt.units), opt.diagnostics_names, strict=True))
-        positions = {names[u.indices]: u.position for u in units}
-        pinned = {}
-        for name, setting in self.pinned.items():
-            if name not in positions:
-                raise ValueError(
-                    f"`pinned` names a variable that is not compressed: {name!r}; the "
-                    f"compressed ones are {sorted(positions)}"
-                )
-            if setting not in auto.names:
-                raise ValueError(
-                    f"`pinned[{name!r}]` must be one of {list(auto.names)}; received {setting!r}"
-                )
-            pinned[positions[name]] = auto.names.index(setting)
-        return pinned
-
-    def _sample_norms(self) -> None:
-        """Each unit's gradient norm at the last step the record was written, if new."""
-        step = int(self._opt.grad_sq_norms_step.numpy())
-        if step == self._sampled:
-            return
-        self._sampled = step
-        grad_sq = self._opt.grad_sq_norms.numpy()[self._rows, 0]
-        self._norms.append([math.sqrt(g) for g in grad_sq])
-
-    def _decide(self) -> None:
-        began = time.perf_counter()
-        measured, *norms = agree(
-            [statistics.median(self._times), *np.mean(self._norms, axis=0)], self._collective
-        )
-        done = len(self.tuner.decisions)  # the first one uses the link measured at the start
-        if self.links and self.link_every and done and done % self.link_every == 0:
-            self._measure_link(self._collective)
-            self.tuner.cluster, self.tuner.host = self.link.cluster(), self._host()
-        before = self.tuner.levels
-        decision = self.tuner.decide(self._steps, measured, norms)
-        if self.verbose:
-            print(decision.summary())
-        self._times, self._norms = [], []
-        self._last = time.perf_counter()  # the next step's time leaves the decision out
-        if decision.levels != before:
-            self._opt.set_compressor(self.tuner.auto)
+        if self.steps.step_done():
             self.model.make_train_function(force=True)
-            self._last = None  # the next step retraces: no step time
-        self.overhead += time.perf_counter() - began
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is None or self.tuner is None or not self.tuner.decisions:
+        if logs is None or not self.decisions:
             return
-        last = self.tuner.decisions[-1]
+        last = self.decisions[-1]
         logs["auto_measured_step_ms"] = 1e3 * last.measured
         logs["auto_predicted_step_ms"] = 1e3 * last.predicted
         for name in self.tuner.auto.names:
