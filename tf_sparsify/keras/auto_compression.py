@@ -60,9 +60,10 @@ class AutoCompression(keras.callbacks.Callback):
                 "AutoCompression needs a model compiled with a SparsifiedOptimizer whose "
                 f"compressor is tf_sparsify.Auto(); got optimizer={self.model.optimizer!r}"
             )
-        with self.model.distribute_strategy.scope():
-            if self.steps.attach(opt):  # the gradient norms, before the step is traced
-                self.model.make_train_function(force=True)
+        with self.model.distribute_strategy.scope():  # a built optimizer makes the record
+            retrace = self.steps.attach(opt)
+        if retrace:  # the gradient norms, from the step's next trace on
+            self.model.make_train_function(force=True)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.steps.pause()  # the gap between epochs is no step
