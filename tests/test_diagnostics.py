@@ -347,6 +347,11 @@ def test_grad_sq_norms_are_recorded_every_n_steps_and_change_nothing_else(tmp_pa
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     with pytest.raises(ValueError, match="grad_sq_norms_every"):
         fresh.enable_grad_sq_norms(-1)
+    opt.enable_grad_sq_norms(0)  # off again, from the next trace: the record stays as it was
+    retraced = _apply_step(opt, variables)
+    for g in grads[:3]:  # steps 7 to 9: every 3 steps would write at step 9
+        retraced([tf.constant(x) for x in g])
+    assert int(opt.grad_sq_norms_step.numpy()) == 7
 
 
 def test_grad_sq_norms_are_the_mean_over_replicas(mirrored2):

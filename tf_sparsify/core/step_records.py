@@ -46,8 +46,8 @@ class StepRecord:
 
     def due(self, step: tf.Tensor) -> tf.Tensor | None:
         """Whether the step counted by ``step`` (steps done before it) writes; None when not
-        built."""
-        return tf.equal(step % self.every, 0) if self.built else None
+        built or turned off."""
+        return tf.equal(step % self.every, 0) if self.built and self.every else None
 
     def write(self, due: tf.Tensor | None, rows: tf.Tensor, step: tf.Tensor) -> None:
         """``rows`` and ``step + 1`` where ``due``."""
