@@ -107,28 +107,49 @@ def predicted_step(
 ) -> Choice:
     """The step of ``units`` (first layer's first) sent at these setting ``levels``; ``host``:
     the exchange's host work, which does not hide (None: all of the exchange may)."""
-    sizes = units.sizes
+    prices = _Prices.of(units, settings, cluster, host)
+    return prices.step(levels, compute, late_buckets, backward_fraction)
 
-    def exchange(on: Cluster) -> list[float]:
-        return [
-            comm_time(settings[level].method, Layers((shape,)), on)
-            for shape, level in zip(units.shapes, levels, strict=True)
-        ]
 
-    overhead = sum(
-        settings[lv].seconds_per_element * n for lv, n in zip(levels, sizes, strict=True)
-    )
-    work = 0.0 if host is None else sum(exchange(host))
-    step = step_time(
-        compute + work,
-        overhead,
-        exchange(cluster),
-        "backprop",
-        late_buckets,
-        sizes,
-        backward_fraction,
-    )
-    return Choice(tuple(levels), step, compute, overhead, work)
+@dataclass(frozen=True)
+class _Prices:
+    """Per unit and setting: the exchange on the link, its host work and the compression
+    cost (seconds), priced once for the many steps a choice compares."""
+
+    sizes: tuple[int, ...]
+    comms: tuple[tuple[float, ...], ...]
+    work: tuple[tuple[float, ...], ...]
+    costs: tuple[tuple[float, ...], ...]
+
+    @classmethod
+    def of(
+        cls, units: Layers, settings: Sequence[Setting], cluster: Cluster, host: Cluster | None
+    ) -> _Prices:
+        def times(on: Cluster | None) -> tuple[tuple[float, ...], ...]:
+            return tuple(
+                tuple(
+                    0.0 if on is None else comm_time(s.method, Layers((shape,)), on)
+                    for s in settings
+                )
+                for shape in units.shapes
+            )
+
+        costs = tuple(tuple(s.seconds_per_element * n for s in settings) for n in units.sizes)
+        return cls(tuple(units.sizes), times(cluster), times(host), costs)
+
+    def step(
+        self, levels: Sequence[int], compute: float, late_buckets: Late, backward_fraction: float
+    ) -> Choice:
+        picked = list(enumerate(levels))
+        if len(picked) != len(self.sizes):
+            raise ValueError(f"`levels` must hold one level per unit ({len(self.sizes)})")
+        overhead = sum(self.costs[u][lv] for u, lv in picked)
+        work = sum(self.work[u][lv] for u, lv in picked)
+        comms = [self.comms[u][lv] for u, lv in picked]
+        step = step_time(
+            compute + work, overhead, comms, "backprop", late_buckets, self.sizes, backward_fraction
+        )
+        return Choice(tuple(levels), step, compute, overhead, work)
 
 
 def choose(
@@ -162,10 +183,10 @@ def choose(
     caps = [critical_level if c else top for c in critical]
     levels = [pinned.get(i, 0) for i in range(n)]
 
+    prices = _Prices.of(units, settings, cluster, host)
+
     def step_of(levels: Sequence[int]) -> Choice:
-        return predicted_step(
-            levels, units, settings, cluster, compute, late_buckets, backward_fraction, host
-        )
+        return prices.step(levels, compute, late_buckets, backward_fraction)
 
     best = step_of(levels)
     while not best.hidden:
@@ -193,10 +214,10 @@ def compute_for(
     compression costs alone take longer than ``measured``); ``host`` as there."""
     measured = check_number("measured", measured, low=0)
 
+    prices = _Prices.of(units, settings, cluster, host)
+
     def step(compute: float) -> float:
-        return predicted_step(
-            levels, units, settings, cluster, compute, late_buckets, backward_fraction, host
-        ).step
+        return prices.step(levels, compute, late_buckets, backward_fraction).step
 
     low, high = 0.0, measured
     if step(low) >= measured:
