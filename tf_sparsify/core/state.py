@@ -249,8 +249,7 @@ class CompressionState:
             result = finish(result)
         self._write_back(result)
         self.diagnostics.write(record, result.stats, self.step)
-        if norms is not None:
-            self.grad_sq_norms.write(norms_due, norms, self.step)
+        self.grad_sq_norms.write(norms_due, norms, self.step)
         self.step.assign_add(1)
         return result
 

@@ -49,8 +49,8 @@ class StepRecord:
         built or turned off."""
         return tf.equal(step % self.every, 0) if self.built and self.every else None
 
-    def write(self, due: tf.Tensor | None, rows: tf.Tensor, step: tf.Tensor) -> None:
-        """``rows`` and ``step + 1`` where ``due``."""
+    def write(self, due: tf.Tensor | None, rows: tf.Tensor | None, step: tf.Tensor) -> None:
+        """``rows`` and ``step + 1`` where ``due`` (nothing when ``due`` is None)."""
         if due is None:
             return
         self.values.assign(tf.where(due, rows, tf.convert_to_tensor(self.values)))
