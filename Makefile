@@ -8,15 +8,15 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup ops horovod sysdeps demo test test-quick lint format bench-network docs wheel
 
-# uv installs the pinned set in about half of pip's time, byte-compiled as pip leaves it; pip
-# installs it where uv cannot be had or cannot install.
+# uv installs the pinned set in about half of pip's time, byte-compiled as pip leaves it, pip
+# included; the venv starts without pip and uv comes through this Python's pip (6 s less than
+# a venv with its pip upgraded). pip installs it where uv cannot be had or cannot install.
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q uv && \
+	$(PYTHON) -m venv --without-pip $(VENV)
+	$(PYTHON) -m pip --python $(PY) install -q uv && \
 		$(PY) -m uv pip install -q --python $(PY) --compile-bytecode -c constraints.txt \
-			-e '.[$(EXTRAS)]' || \
-		$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+			pip -e '.[$(EXTRAS)]' || \
+		{ $(PY) -m ensurepip -q && $(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'; }
 	touch $@
 
 # `make ops` asks the build, which rebuilds what is stale (also after a change of CXXFLAGS);
