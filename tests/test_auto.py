@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import re
 
 import keras
@@ -290,3 +292,83 @@ def test_a_checkpoint_restores_the_decisions_with_the_residuals(tmp_path):
     other.build([keras.Variable(np.zeros((40, 50), np.float32))])
     with pytest.raises(ValueError, match="another configuration"):
         tf.train.Checkpoint(optimizer=other).read(path)
+
+
+def _auto_fit(model: keras.Model, **options) -> tfs.AutoCompression:
+    """An epoch of 8 steps (the data's first 256 rows, in order) under ``AutoCompression``."""
+    callback = tfs.AutoCompression(interval=4, eta=10, **options)
+    x, y = _data()
+    model.fit(x[:256], y[:256], batch_size=32, shuffle=False, callbacks=[callback], verbose=0)
+    return callback
+
+
+def _compiled() -> keras.Model:
+    model = _model()
+    model.compile(
+        tfs.SparsifiedOptimizer(keras.optimizers.SGD(0.05), tfs.Auto()),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_a_resumed_fit_decides_when_and_as_the_one_that_did_not_stop(tmp_path):
+    """The link, each unit's last gradient norms and the count of decisions travel in the
+    checkpoint with the levels (``Auto.memory``, exactly): a job stopped after 8 steps and
+    resumed by a callback given no link decides after steps 12 and 16 as the job that ran on
+    does: on the slow link (not one replica's none), the units calm (not critical as at a
+    start, which would cap them at fp16). Which TopK each unit gets also follows the step
+    times measured, so the levels are not compared."""
+    straight = _compiled()
+    callback = _auto_fit(straight, link=CRAWL)
+    want = callback.decisions + _auto_fit(straight, link=CRAWL).decisions
+
+    stopped = _compiled()
+    _auto_fit(stopped, link=CRAWL)
+    memory = stopped.optimizer.compressor.memory
+    assert memory["decided"] == 2 and len(memory["norms"]) == 4
+    assert LinkMeasurement.from_dict(memory["link"]) == CRAWL
+    path = tf.train.Checkpoint(model=stopped, optimizer=stopped.optimizer).write(
+        str(tmp_path / "ckpt")
+    )
+
+    resumed = _compiled()
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).read(path).assert_consumed()
+    assert resumed.optimizer.compressor == stopped.optimizer.compressor
+    again = _auto_fit(resumed)
+    assert again.link == CRAWL and not again.links  # restored, not measured
+    got = [(d.step, d.critical) for d in again.decisions]
+    assert (
+        got == [(d.step, d.critical) for d in want[2:]] == [(12, (False,) * 4), (16, (False,) * 4)]
+    )
+    assert any(level > 1 for level in again.decisions[0].levels)  # TopK: past the cap
+    assert resumed.optimizer.compressor.memory["decided"] == 4
+
+
+@pytest.mark.parametrize(
+    "memory, named",
+    [
+        ({"norm": [1.0]}, "`memory`"),
+        ({"norms": [1.0, float("nan")]}, "norms"),
+        ({"norms": [-1.0]}, "norms"),
+        ({"link": {"workers": 2}}, "link"),
+        ({"decided": -1}, "decided"),
+        ([1.0], "`memory`"),
+    ],
+)
+def test_a_bad_memory_is_named(memory, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        tfs.Auto(memory=memory)
+
+
+def test_the_memory_is_a_decision_that_survives_a_config():
+    memory = {"norms": [1.5, 2.0], "link": dataclasses.asdict(SLOW), "decided": 3}
+    auto = tfs.Auto(levels=(0, 2), memory=memory)
+    assert deserialize(serialize(auto)) == auto
+    assert deserialize(json.loads(json.dumps(serialize(auto)))) == auto
+    assert auto.with_levels((1, 1)).memory == auto.memory
+    assert auto.without_decisions() == tfs.Auto()
+    tuner = AutoTuner(auto, SHAPES[:2], SLOW.cluster(), [1e-9] * len(auto.settings))
+    assert tuner.previous_norms == [1.5, 2.0]
+    with pytest.raises(ValueError, match="one norm per compressed unit"):
+        AutoTuner(auto, SHAPES, SLOW.cluster(), [1e-9] * len(auto.settings))

@@ -14,7 +14,9 @@ unit's mean gradient norm over the interval (both agreed over the ranks). The tu
    critical units go no further than ``critical_level`` (the 16-bit cast).
 
 Training starts dense (every unit is critical at the start). The same inputs give the same
-levels on every rank, so the plans the ranks check stay equal.
+levels on every rank, so the plans the ranks check stay equal. An ``Auto`` restored with its
+memory (``Auto.memory['norms']``) gives the rule the norms the last interval before it was
+saved ended with, so a resumed job flags the units the one that did not stop flags.
 """
 
 from __future__ import annotations
@@ -90,7 +92,14 @@ class AutoTuner:
         self.late_buckets = late_buckets
         self.pinned = dict(pinned or {})
         self.host = host
-        self.previous_norms: list[float] | None = None
+        norms = (auto.memory or {}).get("norms")
+        if norms is not None and len(norms) != len(self.units.shapes):
+            raise ValueError(
+                f"`auto.memory['norms']` must hold one norm per compressed unit "
+                f"({len(self.units.shapes)}); received {len(norms)}"
+            )
+        #: each unit's gradient norm over the last interval (Accordion's rule compares)
+        self.previous_norms: list[float] | None = norms
         self.decisions: list[Decision] = []
 
     @property

@@ -7,13 +7,17 @@ step is traced: that turns on its record of each unit's gradient norm (every
 :meth:`AutoSteps.step_done` after every step: after the first one it measures the link through
 the front end's transport (or takes the one given) and each setting's own cost; every
 ``interval`` steps it hands the interval's median step and each unit's mean gradient norm to the
-tuner (:class:`~tf_sparsify.core.auto_tuner.AutoTuner`), and when the levels change it gives the
-front end the new ``Auto`` (residuals carry over) and returns True: the caller retraces its
-step before the next one.
+tuner (:class:`~tf_sparsify.core.auto_tuner.AutoTuner`), gives the front end the new ``Auto``
+(residuals carry over; its memory holds the norms, the link and the count of decisions, so a
+checkpoint carries them) and, when the levels changed, returns True: the caller retraces its
+step before the next one. The intervals end at multiples of ``interval`` of the front end's
+exchange steps, and a front end restored from a checkpoint takes the link from the ``Auto`` it
+restored instead of measuring it: a resumed job decides when and as the one that did not stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -68,6 +72,7 @@ class AutoSteps:
         if link is not None and not isinstance(link, LinkMeasurement):
             raise ValueError(f"`link` must be a LinkMeasurement or None; received link={link!r}")
         self.link = link
+        self._link_given = link is not None
         self.link_every = None if link_every is None else check_int("link_every", link_every)
         #: ``(steps done, link)`` for each measurement of the link
         self.links: list[tuple[int, LinkMeasurement]] = []
@@ -82,6 +87,7 @@ class AutoSteps:
         self._times: list[float] = []
         self._last: float | None = None
         self._steps = 0
+        self._decided = 0  # decisions made before this run (a restored Auto's memory)
 
     @property
     def decisions(self) -> list[Decision]:
@@ -130,9 +136,14 @@ class AutoSteps:
         front = self._front_end
         units = sorted((u for u in front.units if u.position is not None), key=lambda u: u.position)
         collective = front.transport.job_collective()
-        if self.link is None and collective is not None:
-            self._measure_link(collective)
         auto = front.compressor
+        memory = auto.memory or {}
+        self._steps = int(front.exchange_steps.numpy())  # a restored front end's count
+        self._decided = memory.get("decided", 0)
+        if self.link is None and memory.get("link") is not None:
+            self.link = LinkMeasurement.from_dict(memory["link"])
+        elif self.link is None and collective is not None:
+            self._measure_link(collective)
         costs = seconds_per_element(
             auto.settings, max((u.num_elements for u in units), default=1), collective
         )
@@ -200,8 +211,10 @@ class AutoSteps:
         measured, *norms = agree(
             [statistics.median(self._times), *np.mean(self._norms, axis=0)], self._collective
         )
-        done = len(self.tuner.decisions)  # the first one uses the link measured at the start
-        if self.links and self.link_every and done and done % self.link_every == 0:
+        # the first one uses the link measured at the start
+        done = self._decided + len(self.tuner.decisions)
+        measures = not self._link_given and self._collective is not None and self.link_every
+        if measures and done and done % self.link_every == 0:
             self._measure_link(self._collective)
             self.tuner.cluster, self.tuner.host = self.link.cluster(), self._host()
         before = self.tuner.levels
@@ -210,8 +223,14 @@ class AutoSteps:
             print(decision.summary())
         self._times, self._norms = [], []
         changed = decision.levels != before
-        if changed:
-            self._front_end.set_compressor(self.tuner.auto)
+        self.tuner.auto = self.tuner.auto.with_memory(
+            {
+                "norms": self.tuner.previous_norms,
+                "link": None if self.link is None else dataclasses.asdict(self.link),
+                "decided": done + 1,
+            }
+        )
+        self._front_end.set_compressor(self.tuner.auto)  # its memory, at least, is new
         # the next step's time leaves the decision out; after a change it retraces: no time
         self._last = None if changed else time.perf_counter()
         self.overhead += time.perf_counter() - began

@@ -93,7 +93,11 @@ class LinkMeasurement:
     @classmethod
     def from_json(cls, text: str) -> LinkMeasurement:
         """The measurement ``to_json`` wrote (its ``fitted`` part is recomputed, not read)."""
-        data = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LinkMeasurement:
+        """The measurement of ``dataclasses.asdict`` (or its JSON); other keys are ignored."""
         if not isinstance(data, dict) or not {"workers", "payload_bytes", "seconds"} <= set(data):
             raise ValueError("expected a JSON object with workers, payload_bytes and seconds")
         cpu = data.get("cpu_seconds")
