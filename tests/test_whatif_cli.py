@@ -109,6 +109,24 @@ def test_cli_link_takes_a_measured_link(tmp_path, capsys):
     assert "No such file" in cli_error([*argv[:-3], "--link", str(tmp_path / "no.json")], capsys)
 
 
+def test_cli_host_work_counts_the_measured_cpu_time_of_the_exchange(tmp_path, capsys):
+    """``--host-work``: the exchange's CPU time per call and per byte (``cpu_seconds``, here
+    half of 1 Gbit/s's wire time per byte) is compute the exchange cannot hide under, so Auto
+    sends no tensor dense and predicts a longer step."""
+    link = tmp_path / "link.json"
+    sizes = (4096, 65536, 1048576)
+    wire, cpu = (tuple(a + m / b for m in sizes) for a, b in ((2e-4, 1.25e8), (1e-4, 5e8)))
+    link.write_text(LinkMeasurement(2, sizes, wire, cpu).to_json())
+    argv = ["--compute-ms", "55", "--model", "mlp10m", "--link", str(link), "--auto"]
+    plain, counted = cli_main_out(argv, capsys), cli_main_out([*argv, "--host-work"], capsys)
+    assert "\ndense " in plain and "\ndense " not in counted.split("winner")[-1]
+    step = [float(out.splitlines()[-1].split()[1]) for out in (plain, counted)]
+    assert step == [55.3, 56.2]
+    assert "--host-work needs --auto" in cli_error([*argv[:-1], "--host-work"], capsys)
+    link.write_text(LinkMeasurement(2, sizes, wire).to_json())
+    assert "measured with CPU times" in cli_error([*argv, "--host-work"], capsys)
+
+
 def cli_main_out(argv: list[str], capsys) -> str:
     assert cli.main(argv) == 0
     return capsys.readouterr().out

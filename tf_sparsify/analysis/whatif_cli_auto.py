@@ -3,7 +3,8 @@
 The settings, from the least compression to the most: dense fp32, FP16, TopK at each of
 ``--auto-ratios`` (largest first). Their own costs come from ``--overhead-ms``: ``fp16=MS`` and
 ``topk=MS`` are one step's cost for the whole model, spread over its entries. The choice is
-:func:`tf_sparsify.step_model.choice.choose` (backprop overlap, ``--late-buckets``).
+:func:`tf_sparsify.step_model.choice.choose` (backprop overlap, ``--late-buckets``; with
+``--host-work``, the exchange's host work that ``--link`` measured counts as compute).
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def run_auto(args: argparse.Namespace, layers: Layers, cluster: Cluster) -> str:
     """The ``--auto`` section of ``run_once``'s output."""
     settings = settings_for(args.auto_ratio_list, args.overhead_ms, layers.num_params)
     choice = choose(
-        layers, settings, cluster, args.compute_ms / 1e3, late_buckets=args.late_buckets
+        layers,
+        settings,
+        cluster,
+        args.compute_ms / 1e3,
+        late_buckets=args.late_buckets,
+        host=args.link_host if args.host_work else None,
     )
     return auto_table(choice, settings, layers)

@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also what Auto would send each tensor with: dense, FP16 or TopK (--auto-ratios)",
     )
     p.add_argument("--auto-ratios", type=auto_ratios, help=f"with --auto (default: {AUTO_RATIOS})")
+    p.add_argument(
+        "--host-work",
+        action="store_true",
+        help="with --auto and a --link measured with CPU times: the step computes on the cores "
+        "the exchange's copies and sums use, so Auto counts that work as compute",
+    )
     p.add_argument("--sweep", action="store_true", help=f"P = 2..1024 at {SWEEP_BANDWIDTHS}")
     p.add_argument("--sweep-bandwidths", help=f"with --sweep (default: {SWEEP_BANDWIDTHS})")
     p.add_argument("--plot", help=f"with --sweep: PNG path (default: {PLOT})")
@@ -294,6 +300,7 @@ def _check_methods(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
 def _read_link(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--link``'s measurement into ``--bandwidth``, ``--call-overhead`` (the fitted cost of a
     call includes its rounds: ``--latency`` 0) and ``--workers`` where not given."""
+    args.link_host = None
     if args.link is None:
         return
     for option, given in (("--bandwidth", args.bandwidth), ("--nodes", args.nodes)):
@@ -304,18 +311,23 @@ def _read_link(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             measured = LinkMeasurement.from_json(f.read())
     except (OSError, ValueError, TypeError) as error:
         p.error(f"--link {args.link!r}: {error}")
-    link = measured.link()
+    link, args.link_host = measured.link(), measured.host()
     args.bandwidth, args.call_overhead, args.latency = link.bandwidth, link.call_overhead, 0.0
     args.workers = measured.workers if args.workers is None else args.workers
 
 
 def _check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--auto`` predicts one cluster (not ``--sweep``); ``--auto-ratios`` only with it; sets
-    ``args.auto_ratio_list``."""
+    """``--auto`` predicts one cluster (not ``--sweep``); ``--auto-ratios`` and ``--host-work``
+    only with it; sets ``args.auto_ratio_list``."""
     if args.auto and args.sweep:
         p.error("--auto chooses for one cluster: drop --sweep, or --auto")
     if args.auto_ratios is not None and not args.auto:
         p.error("--auto-ratios applies only with --auto")
+    if args.host_work and not (args.auto and args.link_host):
+        p.error(
+            "--host-work needs --auto and a --link measured with CPU times (cpu_seconds, as "
+            f"`probe-link` writes them); got --auto {args.auto}, --link {args.link!r}"
+        )
     args.auto_ratio_list = args.auto_ratios or auto_ratios(AUTO_RATIOS)
 
 
