@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from tf_sparsify.step_model.buckets import fill_buckets
 from tf_sparsify.step_model.choice import (
     Setting,
     choose,
@@ -16,6 +17,7 @@ from tf_sparsify.step_model.choice import (
 )
 from tf_sparsify.step_model.methods import DenseAllReduce, TopKAllGather
 from tf_sparsify.step_model.network import Cluster, Link
+from tf_sparsify.step_model.predict import comm_time
 from tf_sparsify.step_model.shapes import Layers
 
 N = 1_000_000
@@ -100,6 +102,22 @@ def test_pinned_units_keep_their_setting_and_critical_ones_stay_mild():
     assert choose(UNITS, SETTINGS, cluster(0.005), COMPUTE, pinned={1: 2}).levels == (0, 2)
     guarded = choose(UNITS, SETTINGS, cluster(0.2), COMPUTE, critical=[True, False])
     assert guarded.levels == (1, 0) and guarded.step == pytest.approx(1.103)
+
+
+def test_a_buckets_units_with_one_setting_are_one_collective():
+    """With no compute the step is the exchange: in one bucket, each setting's units cost the
+    collective of those units together (one call); a unit each costs a call each. Buckets
+    fill in backprop order and close at ``bucket_bytes``, as the plan's."""
+    shapes = Layers(((300, 40), (40,), (40, 10), (10,)))
+    link = Cluster(nodes=2, inter=Link(bandwidth=1e8, call_overhead=3e-3))
+    levels = [2, 0, 2, 0]
+    fused = predicted_step(levels, shapes, SETTINGS, link, 0.0, bucket_bytes=2**20)
+    dense, topk = (Layers(tuple(shapes.shapes[i] for i in ix)) for ix in ((1, 3), (0, 2)))
+    want = comm_time(SETTINGS[0].method, dense, link) + comm_time(SETTINGS[2].method, topk, link)
+    assert fused.step - fused.overhead == pytest.approx(want, rel=1e-12)
+    alone = predicted_step(levels, shapes, SETTINGS, link, 0.0)
+    assert alone.step - fused.step == pytest.approx(2 * 3e-3, rel=1e-9)  # 4 calls, not 2
+    assert fill_buckets([10, 10, 10, 10, 10], 15) == [0, 0, 1, 1, 2]
 
 
 def test_accordions_rule():

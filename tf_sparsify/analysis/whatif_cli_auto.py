@@ -3,8 +3,9 @@
 The settings, from the least compression to the most: dense fp32, FP16, TopK at each of
 ``--auto-ratios`` (largest first). Their own costs come from ``--overhead-ms``: ``fp16=MS`` and
 ``topk=MS`` are one step's cost for the whole model, spread over its entries. The choice is
-:func:`tf_sparsify.step_model.choice.choose` (backprop overlap, ``--late-buckets``; with
-``--host-work``, the exchange's host work that ``--link`` measured counts as compute).
+:func:`tf_sparsify.step_model.choice.choose` (backprop overlap, ``--late-buckets``, the
+plan's buckets of its default size; with ``--host-work``, the exchange's host work that
+``--link`` measured counts as compute).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tf_sparsify.analysis.whatif_cli_tables import columns
 from tf_sparsify.analysis.whatif_cli_values import OptionError
 from tf_sparsify.common.checks import check_number
 from tf_sparsify.compressors.auto import Auto
+from tf_sparsify.step_model.buckets import DEFAULT_BUCKET_BYTES
 from tf_sparsify.step_model.choice import Choice, Setting, auto_settings, choose
 from tf_sparsify.step_model.network import Cluster
 from tf_sparsify.step_model.shapes import Layers
@@ -85,5 +87,6 @@ def run_auto(args: argparse.Namespace, layers: Layers, cluster: Cluster) -> str:
         args.compute_ms / 1e3,
         late_buckets=args.late_buckets,
         host=args.link_host if args.host_work else None,
+        bucket_bytes=DEFAULT_BUCKET_BYTES,
     )
     return auto_table(choice, settings, layers)

@@ -66,7 +66,8 @@ class AutoTuner:
     shapes, in position order) on ``cluster`` (``NO_LINK`` for one replica), with each
     setting's measured ``seconds_per_element``; ``host``: the exchange's host work
     (:meth:`~tf_sparsify.step_model.link_fit.LinkMeasurement.host`) where compute runs on the
-    same cores, else None."""
+    same cores, else None; ``bucket_bytes``: the plan's bucket size (None: a collective per
+    unit)."""
 
     def __init__(
         self,
@@ -80,6 +81,7 @@ class AutoTuner:
         late_buckets: Late = "none",
         pinned: Mapping[int, int] | None = None,
         host: Cluster | None = None,
+        bucket_bytes: int | None = None,
     ):
         if not isinstance(auto, Auto):
             raise ValueError(f"`auto` must be a tf_sparsify.Auto; received auto={auto!r}")
@@ -92,6 +94,7 @@ class AutoTuner:
         self.late_buckets = late_buckets
         self.pinned = dict(pinned or {})
         self.host = host
+        self.bucket_bytes = bucket_bytes
         norms = (auto.memory or {}).get("norms")
         if norms is not None and len(norms) != len(self.units.shapes):
             raise ValueError(
@@ -117,7 +120,12 @@ class AutoTuner:
             )
         flags = critical(list(norms), self.previous_norms, self.eta)
         self.previous_norms = [float(n) for n in norms]
-        model = dict(cluster=self.cluster, late_buckets=self.late_buckets, host=self.host)
+        model = dict(
+            cluster=self.cluster,
+            late_buckets=self.late_buckets,
+            host=self.host,
+            bucket_bytes=self.bucket_bytes,
+        )
         compute = compute_for(measured, self.levels, self.units, self.settings, **model)
         choice = choose(
             self.units,

@@ -13,11 +13,10 @@ from typing import Any
 from tf_sparsify.common.checks import check_int, check_number
 from tf_sparsify.compressors.base import Compressor, MultiRoundMethod
 from tf_sparsify.heuristics import clipping
+from tf_sparsify.step_model.buckets import DEFAULT_BUCKET_BYTES
 from tf_sparsify.step_model.predict import LATE_BUCKETS
 
 SCOPES = ("layer", "global")
-#: Default bucket size in bytes of dense gradient (as PyTorch DDP's bucket_cap_mb).
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 #: options written to configs only when they differ from their default (added after the
 #: first release, so older configs stay as they were)
 _WRITTEN_WHEN_SET = (

@@ -20,6 +20,7 @@ from tf_sparsify.common.dtypes import dtype_bytes
 from tf_sparsify.compressors.base import Compressor, check_contraction
 from tf_sparsify.compressors.dense import Identity
 from tf_sparsify.core.options import ExchangeOptions
+from tf_sparsify.step_model.buckets import fill_buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +149,9 @@ def _in_buckets(units: list[Unit], bucket_bytes: int) -> list[Unit]:
     """``units`` (in variable order) with buckets assigned in backprop order (the last
     variables' gradients are computed first): as in PyTorch DDP, a bucket is closed once it
     holds ``bucket_bytes`` of dense gradient or more."""
-    bucket, filled, placed = 0, 0, {}
-    for unit in sorted(units, key=lambda u: -max(u.indices)):
-        placed[unit.indices] = dataclasses.replace(unit, bucket=bucket)
-        filled += unit.dense_bytes
-        if filled >= bucket_bytes:
-            bucket, filled = bucket + 1, 0
+    order = sorted(units, key=lambda u: -max(u.indices))
+    buckets = fill_buckets([u.dense_bytes for u in order], bucket_bytes)
+    placed = {
+        u.indices: dataclasses.replace(u, bucket=b) for u, b in zip(order, buckets, strict=True)
+    }
     return [placed[u.indices] for u in sorted(units, key=lambda u: u.indices[0])]

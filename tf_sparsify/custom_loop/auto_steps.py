@@ -155,6 +155,7 @@ class AutoSteps:
             eta=self.eta,
             critical_level=self.critical_level,
             late_buckets=front.pipeline.options.late_buckets,
+            bucket_bytes=front.pipeline.options.bucket_bytes,
             pinned=self._pinned_levels(units, auto),
             host=self._host(),
         )

@@ -10,10 +10,13 @@ more. A unit the user pins keeps its setting; a unit in a critical phase (:func:
 not go past ``critical_level``. The rule is greedy and predictable: the same inputs give the
 same choice, and a unit is never compressed more than the step needs.
 
-Each unit's exchange is priced alone (its own collective: one call cost per unit), and the step
-is :func:`.predict.step_time` with backprop overlap: a unit's exchange starts when backward has
-made its gradient (the last unit's first), and late units (``late_buckets``) from the step's
-start. Given the exchange's host work (``host``: the CPU time of the same collectives, from
+The units travel in buckets as the plan makes them (``bucket_bytes`` of dense gradient, in
+backprop order: :func:`.buckets.fill_buckets`), one collective per setting and bucket: a
+bucket's units sent with one setting pay one call and their bytes together (None: each unit
+alone, its own call). The step is :func:`.predict.step_time` with backprop overlap: a bucket's
+exchange starts when backward has made its last gradient (the last layers' bucket first), and
+late buckets (``late_buckets``: the first layers' bucket, or all) from the step's start.
+Given the exchange's host work (``host``: the CPU time of the same collectives, from
 :meth:`~.link_fit.LinkMeasurement.host`), that work adds to the compute: where compute runs on
 the cores the collective's copies and sums run on (a CPU-only job), none of it can hide.
 
@@ -27,18 +30,14 @@ read; an error budget (L-GreCo) would need each setting's error per unit measure
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tf_sparsify.common.checks import check_int, check_number
 from tf_sparsify.compressors.auto import Auto
+from tf_sparsify.step_model.buckets import fill_buckets
 from tf_sparsify.step_model.methods import DenseAllReduce, Method, TopKAllGather
 from tf_sparsify.step_model.network import Cluster
-from tf_sparsify.step_model.predict import (
-    BACKWARD_FRACTION,
-    Late,
-    comm_time,
-    step_time,
-)
+from tf_sparsify.step_model.predict import BACKWARD_FRACTION, Late, step_time, transfers_time
 from tf_sparsify.step_model.shapes import Layers
 
 #: Accordion's threshold on the relative change of a unit's gradient norm between intervals
@@ -104,50 +103,101 @@ def predicted_step(
     late_buckets: Late = "none",
     backward_fraction: float = BACKWARD_FRACTION,
     host: Cluster | None = None,
+    bucket_bytes: int | None = None,
 ) -> Choice:
     """The step of ``units`` (first layer's first) sent at these setting ``levels``; ``host``:
-    the exchange's host work, which does not hide (None: all of the exchange may)."""
-    prices = _Prices.of(units, settings, cluster, host)
+    the exchange's host work, which does not hide (None: all of the exchange may);
+    ``bucket_bytes``: the plan's bucket size (None: a collective per unit)."""
+    prices = _Prices.of(units, settings, cluster, host, bucket_bytes)
     return prices.step(levels, compute, late_buckets, backward_fraction)
 
 
 @dataclass(frozen=True)
 class _Prices:
-    """Per unit and setting: the exchange on the link, its host work and the compression
-    cost (seconds), priced once for the many steps a choice compares."""
+    """The seconds of each setting's collective without payload (its calls and rounds) and,
+    per unit, what its bytes add to it, on the link and on the host; the compression cost per
+    unit and setting. A bucket's collective of one setting is its fixed part plus its units'
+    parts: exact where the time grows with the bytes in proportion (a link without a token
+    bucket's burst). Priced once for the many steps a choice compares."""
 
     sizes: tuple[int, ...]
+    #: each unit's bucket (0 travels first: the last layers')
+    buckets: tuple[int, ...]
+    fixed: tuple[float, ...]
     comms: tuple[tuple[float, ...], ...]
+    host_fixed: tuple[float, ...]
     work: tuple[tuple[float, ...], ...]
     costs: tuple[tuple[float, ...], ...]
 
     @classmethod
     def of(
-        cls, units: Layers, settings: Sequence[Setting], cluster: Cluster, host: Cluster | None
+        cls,
+        units: Layers,
+        settings: Sequence[Setting],
+        cluster: Cluster,
+        host: Cluster | None,
+        bucket_bytes: int | None,
     ) -> _Prices:
-        def times(on: Cluster | None) -> tuple[tuple[float, ...], ...]:
+        alone = [
+            [s.method.transfers(Layers((shp,)), cluster) for s in settings] for shp in units.shapes
+        ]
+        empty = [[replace(t, bytes_sent=0.0) for t in ts] for ts in alone[0]]
+
+        def fixed(on: Cluster | None) -> tuple[float, ...]:
+            return tuple(0.0 if on is None else transfers_time(ts, on) for ts in empty)
+
+        def parts(on: Cluster | None, base: tuple[float, ...]) -> tuple[tuple[float, ...], ...]:
+            if on is None:
+                return tuple((0.0,) * len(settings) for _ in alone)
             return tuple(
-                tuple(
-                    0.0 if on is None else comm_time(s.method, Layers((shape,)), on)
-                    for s in settings
-                )
-                for shape in units.shapes
+                tuple(transfers_time(ts, on) - b for ts, b in zip(row, base, strict=True))
+                for row in alone
             )
 
+        n = len(units.shapes)
+        if bucket_bytes is None:
+            buckets = tuple(range(n - 1, -1, -1))
+        else:
+            filled = fill_buckets([4 * size for size in reversed(units.sizes)], bucket_bytes)
+            buckets = tuple(reversed(filled))
         costs = tuple(tuple(s.seconds_per_element * n for s in settings) for n in units.sizes)
-        return cls(tuple(units.sizes), times(cluster), times(host), costs)
+        base, host_base = fixed(cluster), fixed(host)
+        return cls(
+            tuple(units.sizes),
+            buckets,
+            base,
+            parts(cluster, base),
+            host_base,
+            parts(host, host_base),
+            costs,
+        )
 
     def step(
         self, levels: Sequence[int], compute: float, late_buckets: Late, backward_fraction: float
     ) -> Choice:
-        picked = list(enumerate(levels))
-        if len(picked) != len(self.sizes):
+        if len(levels) != len(self.sizes):
             raise ValueError(f"`levels` must hold one level per unit ({len(self.sizes)})")
-        overhead = sum(self.costs[u][lv] for u, lv in picked)
-        work = sum(self.work[u][lv] for u, lv in picked)
-        comms = [self.comms[u][lv] for u, lv in picked]
+        count = max(self.buckets) + 1
+        comms, sizes, calls = [0.0] * count, [0] * count, set()
+        work = overhead = 0.0
+        for unit, level in enumerate(levels):
+            bucket = self.buckets[unit]
+            comms[bucket] += self.comms[unit][level]
+            sizes[bucket] += self.sizes[unit]
+            work += self.work[unit][level]
+            overhead += self.costs[unit][level]
+            calls.add((bucket, level))
+        for bucket, level in calls:
+            comms[bucket] += self.fixed[level]
+            work += self.host_fixed[level]
         step = step_time(
-            compute + work, overhead, comms, "backprop", late_buckets, self.sizes, backward_fraction
+            compute + work,
+            overhead,
+            comms[::-1],  # the first layers' bucket first
+            "backprop",
+            late_buckets,
+            sizes[::-1],
+            backward_fraction,
         )
         return Choice(tuple(levels), step, compute, overhead, work)
 
@@ -164,10 +214,11 @@ def choose(
     late_buckets: Late = "none",
     backward_fraction: float = BACKWARD_FRACTION,
     host: Cluster | None = None,
+    bucket_bytes: int | None = None,
 ) -> Choice:
     """The levels for ``units`` (see the module's docstring); ``pinned``: ``{unit: level}``;
     ``critical``: per unit, whether it is in a critical phase (then at most
-    ``critical_level``); ``host`` as :func:`predicted_step` takes it."""
+    ``critical_level``); ``host`` and ``bucket_bytes`` as :func:`predicted_step` takes them."""
     compute = check_number("compute", compute, low=0)
     n, top = len(units.shapes), len(settings) - 1
     if top < 0:
@@ -183,7 +234,7 @@ def choose(
     caps = [critical_level if c else top for c in critical]
     levels = [pinned.get(i, 0) for i in range(n)]
 
-    prices = _Prices.of(units, settings, cluster, host)
+    prices = _Prices.of(units, settings, cluster, host, bucket_bytes)
 
     def step_of(levels: Sequence[int]) -> Choice:
         return prices.step(levels, compute, late_buckets, backward_fraction)
@@ -208,13 +259,15 @@ def compute_for(
     late_buckets: Late = "none",
     backward_fraction: float = BACKWARD_FRACTION,
     host: Cluster | None = None,
+    bucket_bytes: int | None = None,
 ) -> float:
     """The compute-only time for which :func:`predicted_step` gives the ``measured`` step at
     these ``levels`` (the predicted step grows with the compute; 0 when the exchange and the
-    compression costs alone take longer than ``measured``); ``host`` as there."""
+    compression costs alone take longer than ``measured``); ``host`` and ``bucket_bytes`` as
+    there."""
     measured = check_number("measured", measured, low=0)
 
-    prices = _Prices.of(units, settings, cluster, host)
+    prices = _Prices.of(units, settings, cluster, host, bucket_bytes)
 
     def step(compute: float) -> float:
         return prices.step(levels, compute, late_buckets, backward_fraction).step

@@ -23,7 +23,7 @@ from typing import Literal
 
 from tf_sparsify.common.checks import check_int, check_number
 from tf_sparsify.step_model.methods import Method
-from tf_sparsify.step_model.network import Cluster, check_choice, link_time
+from tf_sparsify.step_model.network import Cluster, Transfer, check_choice, link_time
 from tf_sparsify.step_model.shapes import Layers
 
 Overlap = Literal["none", "backprop", "full"]
@@ -38,7 +38,11 @@ BACKWARD_FRACTION = 2 / 3
 
 def comm_time(method: Method, layers: Layers, cluster: Cluster) -> float:
     """Seconds of one step's exchange: the time on each link level, added (levels run in turn)."""
-    transfers = method.transfers(layers, cluster)
+    return transfers_time(method.transfers(layers, cluster), cluster)
+
+
+def transfers_time(transfers: Sequence[Transfer], cluster: Cluster) -> float:
+    """Seconds of these collectives: the time on each link level, added (levels run in turn)."""
     levels = dict.fromkeys(t.level for t in transfers)
     return sum(
         link_time([t for t in transfers if t.level == lv], cluster.link(lv)) for lv in levels
