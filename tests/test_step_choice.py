@@ -120,6 +120,20 @@ def test_a_buckets_units_with_one_setting_are_one_collective():
     assert fill_buckets([10, 10, 10, 10, 10], 15) == [0, 0, 1, 1, 2]
 
 
+def test_a_buckets_small_units_are_raised_together_where_one_alone_would_not_pay():
+    """Twenty small units in one bucket on a slow link with a 5 ms call: raising one alone
+    adds a collective (its call costs more than its bytes save), so one-unit raises stall at
+    dense; raising the bucket's dense units together pays, and then again to TopK."""
+    units = Layers(((10_000,),) * 20)
+    link = Cluster(nodes=2, inter=Link(bandwidth=1e7, call_overhead=5e-3))
+    model = dict(cluster=link, compute=0.01, bucket_bytes=2**20)
+    dense = predicted_step([0] * 20, units, SETTINGS, **model)
+    one = predicted_step([1] + [0] * 19, units, SETTINGS, **model)
+    assert one.step > dense.step
+    choice = choose(units, SETTINGS, **model)
+    assert choice.levels == (2,) * 20 and choice.step < dense.step / 5
+
+
 def test_accordions_rule():
     assert critical([1.0, 2.0], None) == [True, True]
     assert critical([1.0, 2.0, 0.4], [1.0, 1.0, 1.0]) == [False, True, True]

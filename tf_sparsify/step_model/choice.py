@@ -3,11 +3,13 @@ under the compute that can overlap it, by the step model of :mod:`.predict`.
 
 A setting is one way to send a unit (dense fp32, FP16, TopK at a ratio, ...), listed from the
 least compression to the most, with its own compression cost per element (measured; it never
-hides). Every unit starts at its least compression allowed. Then, one level on one unit at a
-time, compression goes up where it shortens the predicted step most, until the exchange hides
-(the step is its compute plus the compression costs) or no single raise shortens the step any
-more. A unit the user pins keeps its setting; a unit in a critical phase (:func:`critical`) may
-not go past ``critical_level``. The rule is greedy and predictable: the same inputs give the
+hides). Every unit starts at its least compression allowed. Then, one level at a time on one
+unit, or on all the units a bucket sends with one setting (raising one of many small units
+alone would add a collective's call cost to its bucket), compression goes up where it shortens
+the predicted step most (a single unit first, at equal steps), until the exchange hides (the
+step is its compute plus the compression costs) or no raise shortens the step any more. A
+unit the user pins keeps its setting; a unit in a critical phase (:func:`critical`) may not
+go past ``critical_level``. The rule is greedy and predictable: the same inputs give the
 same choice, and a unit is never compressed more than the step needs.
 
 The units travel in buckets as the plan makes them (``bucket_bytes`` of dense gradient, in
@@ -242,7 +244,11 @@ def choose(
     best = step_of(levels)
     while not best.hidden:
         raises = [i for i in range(n) if i not in pinned and levels[i] < caps[i]]
-        tried = [step_of([lv + (i == j) for j, lv in enumerate(levels)]) for i in raises]
+        together: dict[tuple[int, int], set[int]] = {}
+        for i in raises:
+            together.setdefault((prices.buckets[i], levels[i]), set()).add(i)
+        moves = [{i} for i in raises] + [g for g in together.values() if len(g) > 1]
+        tried = [step_of([lv + (j in m) for j, lv in enumerate(levels)]) for m in moves]
         if not tried or min(t.step for t in tried) >= best.step:
             break
         best = min(tried, key=lambda t: t.step)
