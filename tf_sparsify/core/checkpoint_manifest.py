@@ -13,9 +13,8 @@ import tensorflow as tf
 
 from tf_sparsify.compressors.base import deserialize, serialize
 from tf_sparsify.core.state_kinds import StateKind
+from tf_sparsify.core.step_records import RECORD_KEYS
 
-#: keys restored when both sides have them (diagnostics are a record, not training state)
-OPTIONAL_KEYS = ("diagnostics", "diagnostics_step", "grad_sq_norms", "grad_sq_norms_step")
 FORMAT = 1
 
 
@@ -74,12 +73,12 @@ def check_entries(manifest: dict, entries: list[Entry], config: dict) -> None:
     saved = {
         e["key"]: (e["kind"], e["shape"], e["dtype"])
         for e in manifest["entries"]
-        if e["key"] not in OPTIONAL_KEYS
+        if e["key"] not in RECORD_KEYS  # restored when both sides have them
     }
     current = {
         e.key: (StateKind(e.kind).value, list(e.variable.shape), tf.as_dtype(e.variable.dtype).name)
         for e in entries
-        if e.key not in OPTIONAL_KEYS
+        if e.key not in RECORD_KEYS
     }
     if saved == current:
         return

@@ -30,7 +30,12 @@ from tf_sparsify.core.pipeline import GradientPipeline
 from tf_sparsify.core.plan import Unit, bytes_per_step
 from tf_sparsify.core.state_kinds import StateKind, VariableFactory
 from tf_sparsify.core.step import GradientKind, StepFlags, StepMemory, StepResult
-from tf_sparsify.core.step_records import StepRecord, grad_sq_norms
+from tf_sparsify.core.step_records import (
+    DIAGNOSTICS,
+    GRAD_SQ_NORMS,
+    StepRecord,
+    grad_sq_norms,
+)
 from tf_sparsify.core.transport import Transport
 
 
@@ -76,8 +81,8 @@ class CompressionState:
         self.names: tuple[str, ...] = ()
         self.bytes_sent = self.dense_bytes = None
         #: the diagnostics (:mod:`~tf_sparsify.core.measurements`) and each unit's ``||g||^2``
-        self.diagnostics = StepRecord("diagnostics", len(STAT_NAMES))
-        self.grad_sq_norms = StepRecord("grad_sq_norms", 1)
+        self.diagnostics = StepRecord(DIAGNOSTICS, len(STAT_NAMES))
+        self.grad_sq_norms = StepRecord(GRAD_SQ_NORMS, 1)
         #: every variable made, in order (what checkpoints hold)
         self.saved: list[Entry] = []
         self._also_saved = also_saved or (lambda: [])

@@ -17,6 +17,18 @@ from tf_sparsify.common.checks import check_int
 from tf_sparsify.core.plan import Unit
 from tf_sparsify.core.state_kinds import StateKind
 
+#: the state's records, by the key of their values
+DIAGNOSTICS, GRAD_SQ_NORMS = "diagnostics", "grad_sq_norms"
+
+
+def step_key(key: str) -> str:
+    """The key of a record's step counter."""
+    return f"{key}_step"
+
+
+#: every record's keys: a record, not training state, restored when both sides have it
+RECORD_KEYS = tuple(k for key in (DIAGNOSTICS, GRAD_SQ_NORMS) for k in (key, step_key(key)))
+
 
 class StepRecord:
     """``values`` (``[units, width]`` float64, the mean over replicas when read) and ``step``
@@ -42,7 +54,7 @@ class StepRecord:
         if self.every and not self.built:
             kind = StateKind.PER_REPLICA_MEAN
             self.values = new_variable(self.key, (units, self.width), tf.float64, kind)
-            self.step = new_variable(f"{self.key}_step", (), tf.int64, StateKind.SHARED)
+            self.step = new_variable(step_key(self.key), (), tf.int64, StateKind.SHARED)
 
     def due(self, step: tf.Tensor) -> tf.Tensor | None:
         """Whether the step counted by ``step`` (steps done before it) writes; None when not
