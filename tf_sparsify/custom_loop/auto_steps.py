@@ -87,7 +87,6 @@ class AutoSteps:
         self._times: list[float] = []
         self._last: float | None = None
         self._steps = 0
-        self._decided = 0  # decisions made before this run (a restored Auto's memory)
 
     @property
     def decisions(self) -> list[Decision]:
@@ -139,7 +138,6 @@ class AutoSteps:
         auto = front.compressor
         memory = auto.memory or {}
         self._steps = int(front.exchange_steps.numpy())  # a restored front end's count
-        self._decided = memory.get("decided", 0)
         if self.link is None and memory.get("link") is not None:
             self.link = LinkMeasurement.from_dict(memory["link"])
         elif self.link is None and collective is not None:
@@ -212,8 +210,8 @@ class AutoSteps:
         measured, *norms = agree(
             [statistics.median(self._times), *np.mean(self._norms, axis=0)], self._collective
         )
-        # the first one uses the link measured at the start
-        done = self._decided + len(self.tuner.decisions)
+        # decisions made, a restored job's before it too (the first uses the starting link)
+        done = (self.tuner.auto.memory or {}).get("decided", 0)
         measures = not self._link_given and self._collective is not None and self.link_every
         if measures and done and done % self.link_every == 0:
             self._measure_link(self._collective)

@@ -140,38 +140,13 @@ class _Prices:
         host: Cluster | None,
         bucket_bytes: int | None,
     ) -> _Prices:
-        alone = [
-            [s.method.transfers(Layers((shp,)), cluster) for s in settings] for shp in units.shapes
-        ]
-        empty = [[replace(t, bytes_sent=0.0) for t in ts] for ts in alone[0]]
-
-        def fixed(on: Cluster | None) -> tuple[float, ...]:
-            return tuple(0.0 if on is None else transfers_time(ts, on) for ts in empty)
-
-        def parts(on: Cluster | None, base: tuple[float, ...]) -> tuple[tuple[float, ...], ...]:
-            if on is None:
-                return tuple((0.0,) * len(settings) for _ in alone)
-            return tuple(
-                tuple(transfers_time(ts, on) - b for ts, b in zip(row, base, strict=True))
-                for row in alone
-            )
-
-        n = len(units.shapes)
-        if bucket_bytes is None:
-            buckets = tuple(range(n - 1, -1, -1))
-        else:
-            filled = fill_buckets([4 * size for size in reversed(units.sizes)], bucket_bytes)
-            buckets = tuple(reversed(filled))
+        # None: each unit its own bucket (a bucket closes at any unit's first byte)
+        backprop = fill_buckets([4 * size for size in reversed(units.sizes)], bucket_bytes or 1)
         costs = tuple(tuple(s.seconds_per_element * n for s in settings) for n in units.sizes)
-        base, host_base = fixed(cluster), fixed(host)
+        fixed, comms = _collective_times(units, settings, cluster)
+        host_fixed, work = _collective_times(units, settings, host)
         return cls(
-            tuple(units.sizes),
-            buckets,
-            base,
-            parts(cluster, base),
-            host_base,
-            parts(host, host_base),
-            costs,
+            tuple(units.sizes), tuple(reversed(backprop)), fixed, comms, host_fixed, work, costs
         )
 
     def step(
@@ -202,6 +177,21 @@ class _Prices:
             backward_fraction,
         )
         return Choice(tuple(levels), step, compute, overhead, work)
+
+
+def _collective_times(
+    units: Layers, settings: Sequence[Setting], on: Cluster | None
+) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
+    """Per setting, its collectives' seconds on ``on`` without payload (calls and rounds),
+    and per unit and setting, what the unit's bytes add to them (all 0 for None)."""
+    if on is None:
+        return (0.0,) * len(settings), tuple((0.0,) * len(settings) for _ in units.shapes)
+    alone = [[s.method.transfers(Layers((shp,)), on) for s in settings] for shp in units.shapes]
+    fixed = tuple(transfers_time([replace(t, bytes_sent=0.0) for t in ts], on) for ts in alone[0])
+    parts = tuple(
+        tuple(transfers_time(ts, on) - f for ts, f in zip(row, fixed, strict=True)) for row in alone
+    )
+    return fixed, parts
 
 
 def choose(
