@@ -27,16 +27,18 @@ if TYPE_CHECKING:
 def pytest_configure(config):
     """TensorFlow as every test process has it: four logical CPU devices, and XLA's CPU
     backend compiling the tests' steps at LLVM -O0 with its elemental emitters rather than the
-    newer MLIR fusion emitters (the same HLO and, with fast math off, XLA's default, the same
-    IEEE results, for about 30 % less CPU in tests/test_xla.py; XLA reads the flags at its
-    first compile). Then what the imports made, which lives as long as the
-    process, is frozen: the collector stops scanning it (about half of its time in a pytest
-    worker). Not in pytest-xdist's controller, which runs no test: it would import TensorFlow
-    (about 4 s) before it starts the workers."""
+    newer MLIR fusion emitters, their min and max propagating NaN as the fusion emitters' do
+    (the same HLO and, with fast math off, XLA's default, the same IEEE results, for a third
+    less CPU in tests/test_xla.py; XLA reads the flags at its first compile). Then what the
+    imports made, which lives as long as the process, is frozen: the collector stops scanning
+    it (about half of its time in a pytest worker). Not in pytest-xdist's controller, which
+    runs no test: it would import TensorFlow (about 4 s) before it starts the workers."""
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
     os.environ.setdefault(
-        "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+        "XLA_FLAGS",
+        "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+        "--xla_cpu_enable_fast_min_max=false",
     )
     import tensorflow as tf
 
