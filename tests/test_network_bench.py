@@ -365,14 +365,20 @@ def test_quick_transformer_throughput(tmp_path):
 @pytest.mark.processes
 def test_quick_transformer_time_to_target_loss(tmp_path):
     """--mode accuracy --quick --models transformer: the tiny transformer's next-token task for
-    two epochs with dense and TopK 1%; the held-out loss of each falls."""
-    argv = ["--mode", "accuracy", "--models", "transformer", "--compressors", "identity,topk1"]
+    two epochs with dense and Auto (a decision every 5 steps); the held-out loss of each falls,
+    and the report says what Auto chose."""
+    argv = ["--mode", "accuracy", "--models", "transformer", "--compressors", "identity,auto"]
     _, data, markdown = run_quick(str(tmp_path / "accuracy"), *argv)
     task = TASKS["transformer_tiny"]
     assert data["settings"]["models"] == ["transformer_tiny"]
     assert data["settings"]["target"] == task.target and data["complete"] is True
     curves = report.curves(data["records"])
-    assert set(curves) == {"identity", "topk1"}
+    assert set(curves) == {"identity", "auto"}
+    results = {r["compressor"]: r for r in data["records"] if r["event"] == "result"}
+    assert results["auto"]["auto_decisions"] == 2 * task.steps // 5
+    assert set(results["auto"]["auto_settings"]) <= {"dense", "fp16", "topk1%", "topk0.1%"}
+    assert "auto_decisions" not in results["identity"]
+    assert "- Auto (AutoCompression): 4 decisions; the last: " in markdown
     for points in curves.values():
         assert [p["epoch"] for p in points] == [0, 1, 2]
         assert [p["step"] for p in points] == [0, task.steps, 2 * task.steps]
@@ -421,6 +427,23 @@ def test_accuracy_report_table_and_plot(tmp_path):
     assert "| TopK 1% + EF | 100 | – | – | – | 0.8800 | 1.0 |" in table
     report.plot_accuracy(records, digits, 0.9, "test", str(tmp_path / "a.png"))
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Auto" not in table
+
+
+def test_the_accuracy_report_says_what_auto_chose():
+    records = _epochs({"identity": [0.1, 0.93], "auto": [0.1, 0.91]}, {"identity": 2, "auto": 1})
+    records[-1] |= {
+        "auto_decisions": 3,
+        "auto_settings": ["topk0.1%", "dense", "topk0.1%"],
+        "auto_predicted_ms": 12.34,
+        "auto_measured_ms": 13.0,
+        "auto_overhead_s": 0.31,
+    }
+    table = report.accuracy_markdown(records, TASKS["digits"], 0.9)
+    assert table.endswith(
+        "\n\n- Auto (AutoCompression): 3 decisions; the last: 2 × topk0.1%, 1 × dense (units); "
+        "step predicted 12.3 ms, measured 13.0 ms; probes and decisions 0.3 s\n"
+    )
 
 
 @pytest.mark.parametrize("model", ["digits", "transformer"])

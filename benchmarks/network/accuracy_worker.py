@@ -7,7 +7,8 @@ epoch (A B C A B C ...); each has its own clock that runs only during its own tr
 After each epoch every rank scores its model on the task's evaluation data (untimed) and rank 0
 appends ``(epoch, step, seconds, score)`` to ``--results`` (epoch 0: before training); at the
 end, one line per compressor with its bytes per step and rank. The first epoch's time includes
-tracing the train function.
+tracing the train function. ``auto``'s clock also counts its link probes and decisions (every
+``--auto-interval`` of its steps), and its records say what it chose.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -26,28 +28,48 @@ pin_to_rank_cores()  # before TensorFlow starts its thread pools
 import horovod.tensorflow as hvd  # noqa: E402
 import keras  # noqa: E402
 
+import tf_sparsify as tfs  # noqa: E402
 import tf_sparsify.horovod as th  # noqa: E402
 from benchmarks.horovodrun import require_gloo  # noqa: E402
+from benchmarks.network.auto_steps import auto_for, auto_summary  # noqa: E402
 from benchmarks.network.models import exchange_setup  # noqa: E402
 from benchmarks.network.tasks import TASKS, Batch, Task  # noqa: E402
 
 
-def make_trainee(task: Task, name: str, lr: float) -> keras.Model:
+@dataclass
+class Trainee:
+    """One compressor's model and, for ``auto``, the callback choosing its settings."""
+
+    model: keras.Model
+    auto: tfs.AutoCompression | None
+
+    def train_epoch(self, batches: list[Batch]) -> float:
+        """One step per batch; their wall-clock seconds (Auto's decisions included)."""
+        start = time.perf_counter()
+        if self.auto is not None:
+            self.auto.on_epoch_begin(0)  # the time since its last step was no step
+        for x, y in batches:
+            self.model.train_on_batch(x, y)
+            if self.auto is not None:
+                self.auto.on_train_batch_end(0)
+        return time.perf_counter() - start
+
+    def summary(self) -> dict:
+        """Auto's last decision (nothing for a fixed compressor)."""
+        return {} if self.auto is None else auto_summary(self.auto)
+
+
+def make_trainee(task: Task, name: str, lr: float, auto_interval: int) -> Trainee:
     """The task's model compiled with ``name``'s compressor around its inner optimizer."""
     model = task.model()
     compressor, options = exchange_setup(name)
     optimizer = th.DistributedOptimizer(task.optimizer(lr), compressor, **options)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer, loss, jit_compile=False)  # Horovod's ops are not XLA ops
-    return model
-
-
-def train_epoch(model: keras.Model, batches: list[Batch]) -> float:
-    """One step per batch; their wall-clock seconds."""
-    start = time.perf_counter()
-    for x, y in batches:
-        model.train_on_batch(x, y)
-    return time.perf_counter() - start
+    auto = auto_for(compressor, model, auto_interval)
+    if auto is not None:  # train_on_batch runs no callbacks: train_epoch calls it
+        auto.on_train_begin()
+    return Trainee(model, auto)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, help="default: the task's")
     p.add_argument("--batch", type=int, help="per rank; default: the task's")
     p.add_argument("--lr", type=float, help="the inner optimizer's; default: the task's")
+    p.add_argument("--auto-interval", type=int, default=20, help="steps between Auto's decisions")
     return p.parse_args(argv)
 
 
@@ -69,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     require_gloo()
     hvd.init()
     names = args.compressors.split(",")
-    models = {name: make_trainee(task, name, lr) for name in names}
+    trainees = {name: make_trainee(task, name, lr, args.auto_interval) for name in names}
     clocks = dict.fromkeys(names, 0.0)
     evaluation = task.evaluation()
 
@@ -82,25 +105,26 @@ def main(argv: list[str] | None = None) -> None:
     for epoch in range(epochs + 1):  # epoch 0: the initial weights
         # the same batches for every compressor, made before any clock starts
         batches = list(task.epoch(hvd.rank(), hvd.size(), epoch, batch)) if epoch else []
-        for name, model in models.items():
+        for name, trainee in trainees.items():
             if epoch:
-                clocks[name] += train_epoch(model, batches)
+                clocks[name] += trainee.train_epoch(batches)
             emit(
                 {
                     "event": "epoch",
                     "compressor": name,
                     "epoch": epoch,
-                    "step": int(model.optimizer.iterations.numpy()),
+                    "step": int(trainee.model.optimizer.iterations.numpy()),
                     "seconds": clocks[name],
-                    "score": task.score(model, evaluation),
+                    "score": task.score(trainee.model, evaluation),
+                    **trainee.summary(),
                 }
             )
-    for name, model in models.items():
-        steps = int(model.optimizer.iterations.numpy())
-        sent = int(model.optimizer.bytes_sent.numpy())
-        emit(
-            {"event": "result", "compressor": name, "steps": steps, "bytes_per_step": sent // steps}
-        )
+    for name, trainee in trainees.items():
+        optimizer = trainee.model.optimizer
+        steps = int(optimizer.iterations.numpy())
+        sent = int(optimizer.bytes_sent.numpy())
+        result = {"compressor": name, "steps": steps, "bytes_per_step": sent // steps}
+        emit({"event": "result", **result, **trainee.summary()})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -198,7 +199,21 @@ def accuracy_markdown(records: list[dict], task: Task, target: float) -> str:
         cells += [_fmt(hit.get("epoch"), "d")]
         cells += [f"{points[-1]['score']:.4f}", f"{points[-1]['seconds']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    autos = [auto_line(r) for r in records if r["event"] == "result" and r.get("auto_decisions")]
+    return "\n".join(lines + ([""] + autos if autos else [])) + "\n"
+
+
+def auto_line(result: dict) -> str:
+    """What Auto chose, from its result record: its last decision's settings (units per
+    setting), the step it predicted and measured, and its decisions' count and cost."""
+    counts = Counter(result["auto_settings"])
+    settings = ", ".join(f"{n} × {setting}" for setting, n in counts.most_common())
+    predicted, measured = result["auto_predicted_ms"], result["auto_measured_ms"]
+    return (
+        f"- {_label(result['compressor'])}: {result['auto_decisions']} decisions; the last: "
+        f"{settings} (units); step predicted {predicted:.1f} ms, measured {measured:.1f} ms; "
+        f"probes and decisions {result['auto_overhead_s']:.1f} s"
+    )
 
 
 def _fit_title(ax: Axes, title: str) -> None:

@@ -60,7 +60,7 @@ DEFAULTS = {
     "accuracy": {
         "models": "digits",
         "rates": "1gbit",
-        "compressors": "identity,fp16,topk1",
+        "compressors": "identity,fp16,topk1,topk0.1,auto",
         "out": "outputs/network_accuracy",
     },
 }
@@ -272,6 +272,7 @@ def accuracy_job(args: argparse.Namespace, shaped: bool, tmp: str, records: list
         *("--task", name, "--compressors", ",".join(args.compressors)),
         *("--rate", rate, "--results", results),
         *("--epochs", str(args.epochs), "--batch", str(args.batch)),
+        *("--auto-interval", str(args.auto_interval)),
     ]
 
     def progress(record: dict) -> None:

@@ -53,6 +53,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_sparsify as tfs  # noqa: E402
+from benchmarks.network.auto_steps import auto_for, auto_summary  # noqa: E402
 from benchmarks.network.models import (  # noqa: E402
     EXCHANGE_ONLY,
     exchange_setup,
@@ -79,18 +80,6 @@ class Trainer:
     optimizer: tfs.SparsifiedOptimizer
     #: the callback choosing Auto's settings (``auto`` only)
     auto: tfs.AutoCompression | None = None
-
-
-def auto_for(
-    compressor: tfs.Compressor, model: keras.Model, interval: int
-) -> tfs.AutoCompression | None:
-    """An ``AutoCompression`` deciding every ``interval`` steps, bound to ``model``, when
-    ``compressor`` is ``Auto``."""
-    if not isinstance(compressor, tfs.Auto):
-        return None
-    auto = tfs.AutoCompression(interval=interval)
-    auto.set_model(model)
-    return auto
 
 
 def one_by_one(step: Callable[[], float]) -> Callable[[int], list[float]]:
@@ -356,20 +345,6 @@ def summary(trainer: Trainer, windows: Windows) -> dict[str, Any]:
         "steps": steps,
         "bytes_per_step": int(trainer.optimizer.bytes_sent.numpy()) // max(steps, 1),
         **({} if trainer.auto is None else auto_summary(trainer.auto)),
-    }
-
-
-def auto_summary(auto: tfs.AutoCompression) -> dict[str, Any]:
-    """Auto's last decision: its settings per unit, the predicted and measured step."""
-    if not auto.decisions:
-        return {"auto_decisions": 0}
-    last = auto.decisions[-1]
-    return {
-        "auto_decisions": len(auto.decisions),
-        "auto_settings": list(last.settings),
-        "auto_predicted_ms": 1e3 * last.predicted,
-        "auto_measured_ms": 1e3 * last.measured,
-        "auto_overhead_s": auto.overhead,
     }
 
 
