@@ -91,6 +91,17 @@ def test_host_work_does_not_hide_so_it_is_compressed_away():
     )
 
 
+def test_more_compression_for_a_step_within_the_tolerance_is_not_taken():
+    """TopK 0.1% on the exposed first layer sends a tenth of TopK 1%'s bytes at the same cost:
+    its step is under half a per cent shorter, within the 2 % the least compression may add,
+    so TopK 1% stays; without a tolerance the shortest step is taken."""
+    settings = (*SETTINGS, Setting("topk0.1%", TopKAllGather(0.001), seconds_per_element=1e-8))
+    steps = [predicted_step((lv, 0), UNITS, settings, cluster(0.2), COMPUTE).step for lv in (2, 3)]
+    assert 0.995 * steps[0] < steps[1] < steps[0]
+    assert choose(UNITS, settings, cluster(0.2), COMPUTE).levels == (2, 0)
+    assert choose(UNITS, settings, cluster(0.2), COMPUTE, tolerance=0).levels == (3, 0)
+
+
 def test_compression_that_costs_more_than_it_saves_is_not_taken():
     slow_topk = Setting("topk1%", TopKAllGather(0.01), seconds_per_element=1e-6)
     choice = choose(UNITS, (SETTINGS[0], slow_topk), cluster(0.2), COMPUTE)
@@ -156,6 +167,7 @@ def test_an_infinite_link_and_no_compute_still_choose():
         ({"critical": [True]}, "critical"),
         ({"late_buckets": "first"}, "late_buckets"),
         ({"backward_fraction": 0.0}, "backward_fraction"),
+        ({"tolerance": -0.01}, "tolerance"),
     ],
 )
 def test_bad_input_is_named(kwargs, message):

@@ -7,10 +7,13 @@ hides). Every unit starts at its least compression allowed. Then, one level at a
 unit, or on all the units a bucket sends with one setting (raising one of many small units
 alone would add a collective's call cost to its bucket), compression goes up where it shortens
 the predicted step most (a single unit first, at equal steps), until the exchange hides (the
-step is its compute plus the compression costs) or no raise shortens the step any more. A
-unit the user pins keeps its setting; a unit in a critical phase (:func:`critical`) may not
-go past ``critical_level``. The rule is greedy and predictable: the same inputs give the
-same choice, and a unit is never compressed more than the step needs.
+step is its compute plus the compression costs) or no raise shortens the step any more. Of
+the choices on that way, the first whose predicted step is within ``tolerance`` (2 %) of the
+last one's is taken: compression costs accuracy the step model does not see, so it is not
+raised for a step a few per cent shorter. A unit the user pins keeps its setting; a unit in
+a critical phase (:func:`critical`) may not go past ``critical_level``. The rule is greedy
+and predictable: the same inputs give the same choice, and a unit is never compressed more
+than the step needs.
 
 The units travel in buckets as the plan makes them (``bucket_bytes`` of dense gradient, in
 backprop order: :func:`.buckets.fill_buckets`), one collective per setting and bucket: a
@@ -44,6 +47,8 @@ from tf_sparsify.step_model.shapes import Layers
 
 #: Accordion's threshold on the relative change of a unit's gradient norm between intervals
 ETA = 0.5
+#: how much longer than the shortest predicted step the least compression may be
+TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -207,11 +212,14 @@ def choose(
     backward_fraction: float = BACKWARD_FRACTION,
     host: Cluster | None = None,
     bucket_bytes: int | None = None,
+    tolerance: float = TOLERANCE,
 ) -> Choice:
     """The levels for ``units`` (see the module's docstring); ``pinned``: ``{unit: level}``;
     ``critical``: per unit, whether it is in a critical phase (then at most
-    ``critical_level``); ``host`` and ``bucket_bytes`` as :func:`predicted_step` takes them."""
+    ``critical_level``); ``host`` and ``bucket_bytes`` as :func:`predicted_step` takes them;
+    ``tolerance``: the relative step the least compression may add to the shortest."""
     compute = check_number("compute", compute, low=0)
+    tolerance = check_number("tolerance", tolerance, low=0)
     n, top = len(units.shapes), len(settings) - 1
     if top < 0:
         raise ValueError("`settings` must hold at least one setting")
@@ -231,19 +239,19 @@ def choose(
     def step_of(levels: Sequence[int]) -> Choice:
         return prices.step(levels, compute, late_buckets, backward_fraction)
 
-    best = step_of(levels)
-    while not best.hidden:
+    way = [step_of(levels)]
+    while not way[-1].hidden:
         raises = [i for i in range(n) if i not in pinned and levels[i] < caps[i]]
         together: dict[tuple[int, int], set[int]] = {}
         for i in raises:
             together.setdefault((prices.buckets[i], levels[i]), set()).add(i)
         moves = [{i} for i in raises] + [g for g in together.values() if len(g) > 1]
         tried = [step_of([lv + (j in m) for j, lv in enumerate(levels)]) for m in moves]
-        if not tried or min(t.step for t in tried) >= best.step:
+        if not tried or min(t.step for t in tried) >= way[-1].step:
             break
-        best = min(tried, key=lambda t: t.step)
-        levels = list(best.levels)
-    return best
+        way.append(min(tried, key=lambda t: t.step))
+        levels = list(way[-1].levels)
+    return next(c for c in way if c.step <= way[-1].step * (1 + tolerance))
 
 
 def compute_for(
