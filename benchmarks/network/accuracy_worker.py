@@ -31,7 +31,7 @@ import keras  # noqa: E402
 import tf_sparsify as tfs  # noqa: E402
 import tf_sparsify.horovod as th  # noqa: E402
 from benchmarks.horovodrun import require_gloo  # noqa: E402
-from benchmarks.network.auto_steps import auto_for, auto_summary  # noqa: E402
+from benchmarks.network.auto_steps import auto_summary, driven_auto_for  # noqa: E402
 from benchmarks.network.models import exchange_setup  # noqa: E402
 from benchmarks.network.tasks import TASKS, Batch, Task  # noqa: E402
 
@@ -66,10 +66,7 @@ def make_trainee(task: Task, name: str, lr: float, auto_interval: int) -> Traine
     optimizer = th.DistributedOptimizer(task.optimizer(lr), compressor, **options)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer, loss, jit_compile=False)  # Horovod's ops are not XLA ops
-    auto = auto_for(compressor, model, auto_interval)
-    if auto is not None:  # train_on_batch runs no callbacks: train_epoch calls it
-        auto.on_train_begin()
-    return Trainee(model, auto)
+    return Trainee(model, driven_auto_for(compressor, model, auto_interval))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,6 +22,17 @@ def auto_for(
     return auto
 
 
+def driven_auto_for(
+    compressor: tfs.Compressor, model: keras.Model, interval: int
+) -> tfs.AutoCompression | None:
+    """:func:`auto_for`, begun: for a trainer that steps with ``train_on_batch`` (which runs
+    no callbacks) and calls ``on_train_batch_end`` after each step itself."""
+    auto = auto_for(compressor, model, interval)
+    if auto is not None:
+        auto.on_train_begin()
+    return auto
+
+
 def auto_summary(auto: tfs.AutoCompression) -> dict[str, Any]:
     """Auto's last decision: its settings per unit, the predicted and measured step."""
     if not auto.decisions:

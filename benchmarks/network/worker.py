@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_sparsify as tfs  # noqa: E402
-from benchmarks.network.auto_steps import auto_for, auto_summary  # noqa: E402
+from benchmarks.network.auto_steps import auto_for, auto_summary, driven_auto_for  # noqa: E402
 from benchmarks.network.models import (  # noqa: E402
     EXCHANGE_ONLY,
     exchange_setup,
@@ -144,9 +144,7 @@ def horovod_trainers(args: argparse.Namespace) -> tuple[int, int, list[Trainer],
             optimizer.build(model.trainable_variables)
         inner = sgd(args) if local else optimizer
         model.compile(inner, loss_fn(), jit_compile=False)  # Horovod's ops are not XLA ops
-        auto = auto_for(compressor, model, args.auto_interval)
-        if auto is not None:  # train_on_batch runs no callbacks: the steps call it
-            auto.on_train_begin()
+        auto = driven_auto_for(compressor, model, args.auto_interval)  # the steps call it
 
         def step(
             model: keras.Model = model, sync: bool = name == "compute_sync", auto=auto
