@@ -110,7 +110,9 @@ def reference(compressor, options: dict) -> tuple[list[list[np.ndarray]], list[n
 
 
 def train_step(opt, variables: list):
-    """``opt.apply`` on ``variables`` in a tf.function, like model.fit's train step."""
+    """``opt.apply`` on ``variables`` in a tf.function, like model.fit's train step (the
+    optimizer built first, as fit builds it: a step that makes variables is traced twice)."""
+    opt.build(variables)
 
     @tf.function
     def apply(grads):

@@ -173,6 +173,7 @@ def check_update_topk_ef() -> dict:
         keras.optimizers.SGD(1.0), tfs.TopK(k=3), ranks_per_node=L, min_size=min_size
     )
     exchange = th.GradientExchange(tfs.TopK(k=3), min_size=min_size, ranks_per_node=L)
+    opt.build(variables)  # as model.fit builds it, before the step is traced
 
     @tf.function
     def apply(grads):

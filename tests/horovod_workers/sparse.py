@@ -61,6 +61,7 @@ def run_both(compressor, grads: list[np.ndarray], dtypes: list[str], k: int) -> 
     variables = [keras.Variable(np.zeros(s), dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
     opt = th.DistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0), compressor)
     exchange = th.GradientExchange(compressor)
+    opt.build(variables)  # as model.fit builds it, before the step is traced
 
     @tf.function
     def apply(step_grads):

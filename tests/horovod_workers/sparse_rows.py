@@ -37,6 +37,7 @@ def run(exchange, grads, dense: bool = False) -> tuple[list, np.ndarray]:
     """This rank's update at each step (in a tf.function, as model.fit runs it) and its final
     residual (zeros without one)."""
     variable = tf.Variable(tf.zeros(SHAPE, grads[0][RANK][1].dtype))
+    exchange.build([variable])  # before the step is traced (else it is traced twice)
 
     @tf.function(reduce_retracing=True)
     def one(indices, values):
