@@ -15,6 +15,11 @@ runs one child per worker at once, each with its environment variables added (e.
 ``MultiWorkerMirroredStrategy`` worker's ``TF_CONFIG``), as
 :func:`tf_sparsify.distribute.run_local_workers` runs processes: when one exits non-zero or the
 time runs out, the others are killed. It answers ``{"returncodes": [N, ...], "timed_out": B}``.
+
+A request with ``"detach": true`` starts a child that outlives the request (a server of its
+own, e.g. ``horovod_workers/forked_ranks.py serve``) and answers at once, ``{"pid": N}``; its
+standard input is a pipe this server holds open until it exits, so the child reads end of file
+when the test session is over.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import tf_sparsify  # noqa: F401
 gc.freeze()
 
 POLL_S = 0.02
+#: a detached child's standard input: nothing is written, the write end closes with this server
+LIFETIME_READ, LIFETIME_WRITE = os.pipe()
 
 
 def _open_for_writing(path: str) -> int:
@@ -47,8 +54,9 @@ def _open_for_writing(path: str) -> int:
 def _run_child(script: str, argv: list[str], request: dict) -> None:
     """In the fork: run ``script`` with stdout into ``request["output"]`` (stderr too, unless
     ``request["errors"]`` names a file for it), in ``request["cwd"]`` or the script's folder,
-    then exit."""
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    then exit; a detached one reads :data:`LIFETIME_READ`."""
+    os.close(LIFETIME_WRITE)
+    os.dup2(LIFETIME_READ if request.get("detach") else os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(_open_for_writing(request["output"]), 1)
     os.dup2(_open_for_writing(request["errors"]) if "errors" in request else 1, 2)
     if "cwd" in request:
@@ -113,7 +121,9 @@ def serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         script, argv = request["script"], request.get("argv", [])
-        if "workers" in request:
+        if request.get("detach"):
+            answer = {"pid": _fork(script, argv, request)}
+        elif "workers" in request:
             pids = [_fork(script, argv, worker) for worker in request["workers"]]
             codes, timed_out = _wait_all(pids, float(request["timeout"]))
             answer = {"returncodes": codes, "timed_out": timed_out}

@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from benchmarks.horovodrun import COMMAND as HOROVODRUN
-from tests.script_runner import ROOT
+from tests.script_runner import ROOT, shared_fork_server
 
 pytestmark = pytest.mark.processes  # every test runs under horovodrun or needs Horovod built
 
@@ -48,29 +48,21 @@ _rank_server: dict[str, str] = {}
 
 def rank_server() -> dict[str, str]:
     """The environment that points ``forked_ranks.py run`` at this test process's server of
-    forked ranks, started on first use (it stops when this process exits)."""
+    forked ranks, started on first use as a child of :func:`shared_fork_server` (so it skips
+    the imports that process has done; it stops when that process does)."""
     if _rank_server:
         return _rank_server
     folder = tempfile.mkdtemp(prefix="ranks")
-    path = os.path.join(folder, "socket")
-    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    server = subprocess.Popen(
-        [sys.executable, FORKED_RANKS, "serve", path], stdin=subprocess.PIPE, env=env
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path, log = os.path.join(folder, "socket"), os.path.join(folder, "server.log")
+    shared_fork_server().ask(
+        {"script": FORKED_RANKS, "argv": ["serve", path], "output": log, "detach": True}
     )
-
-    def stop() -> None:
-        server.stdin.close()  # the server kills its ranks and exits
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        shutil.rmtree(folder, ignore_errors=True)
-
-    atexit.register(stop)
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
-        assert server.poll() is None, f"the rank server exited with {server.returncode}"
-        assert time.monotonic() < deadline, "the rank server did not listen within 60 s"
+        if time.monotonic() > deadline:
+            with open(log, encoding="utf-8", errors="replace") as f:
+                pytest.fail(f"the rank server did not listen within 60 s:\n{f.read()[-3000:]}")
         time.sleep(0.05)
     _rank_server[SOCKET_ENV] = path
     return _rank_server

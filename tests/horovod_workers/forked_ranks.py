@@ -9,7 +9,9 @@ heavy, hands the server its standard streams, environment (Horovod's variables i
 working directory and command line, and exits as the child running the script exits (killing
 itself with the same signal when a signal ended it). A SIGTERM, SIGINT or SIGHUP to the client,
 how Horovod stops its ranks, is passed on to the child; when the client is gone (SIGKILL) the
-server kills its child. The server exits, killing its children, when its standard input closes.
+server kills its child. The server exits, killing its children, when its standard input closes
+(the tests start it as a detached child of ``tests/fork_server.py``, which holds that pipe open
+while it runs, so the server skips the imports too).
 """
 
 from __future__ import annotations
