@@ -55,14 +55,17 @@ def rank_server() -> dict[str, str]:
     folder = tempfile.mkdtemp(prefix="ranks")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     path, log = os.path.join(folder, "socket"), os.path.join(folder, "server.log")
-    shared_fork_server().ask(
+    answer = shared_fork_server().ask(
         {"script": FORKED_RANKS, "argv": ["serve", path], "output": log, "detach": True}
     )
+    server = psutil.Process(answer["pid"])  # the fork server's child: a zombie once it exits
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
-        if time.monotonic() > deadline:
+        exited = server.status() == psutil.STATUS_ZOMBIE
+        if exited or time.monotonic() > deadline:
             with open(log, encoding="utf-8", errors="replace") as f:
-                pytest.fail(f"the rank server did not listen within 60 s:\n{f.read()[-3000:]}")
+                why = "exited" if exited else "did not listen within 60 s"
+                pytest.fail(f"the rank server {why}:\n{f.read()[-3000:]}")
         time.sleep(0.05)
     _rank_server[SOCKET_ENV] = path
     return _rank_server

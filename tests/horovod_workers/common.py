@@ -66,3 +66,17 @@ def assert_close(actual, expected, what: str, rtol: float = 1e-5, atol: float = 
     if not np.allclose(actual, expected, rtol=rtol, atol=atol):
         raise AssertionError(f"{what}: max abs difference {diff}")
     return diff
+
+
+def train_step(opt, variables: list) -> Callable:
+    """``opt.apply`` on ``variables`` in a tf.function, like model.fit's train step (the
+    optimizer built first, as fit builds it: a step that makes variables is traced twice)."""
+    import tensorflow as tf
+
+    opt.build(variables)
+
+    @tf.function
+    def apply(grads):
+        opt.apply(grads, variables)
+
+    return apply

@@ -15,7 +15,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import tensorflow as tf
-from common import Checks, assert_close, hvd
+from common import Checks, assert_close, hvd, train_step
 
 import tf_sparsify as tfs
 import tf_sparsify.horovod as th
@@ -107,18 +107,6 @@ def reference(compressor, options: dict) -> tuple[list[list[np.ndarray]], list[n
     if global_scope:
         mine = tf.split(mine[0], [int(np.prod(s)) for s in SHAPES])
     return updates, [np.reshape(np.asarray(r), s) for r, s in zip(mine, SHAPES, strict=True)]
-
-
-def train_step(opt, variables: list):
-    """``opt.apply`` on ``variables`` in a tf.function, like model.fit's train step (the
-    optimizer built first, as fit builds it: a step that makes variables is traced twice)."""
-    opt.build(variables)
-
-    @tf.function
-    def apply(grads):
-        opt.apply(grads, variables)
-
-    return apply
 
 
 def horovod_ops(step, grads: list[tf.Tensor]) -> dict[str, int]:

@@ -18,7 +18,7 @@ os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
 import keras
 import numpy as np
 import tensorflow as tf
-from common import Checks, assert_close, hvd
+from common import Checks, assert_close, hvd, train_step
 
 import tf_sparsify as tfs
 import tf_sparsify.horovod as th
@@ -173,11 +173,7 @@ def check_update_topk_ef() -> dict:
         keras.optimizers.SGD(1.0), tfs.TopK(k=3), ranks_per_node=L, min_size=min_size
     )
     exchange = th.GradientExchange(tfs.TopK(k=3), min_size=min_size, ranks_per_node=L)
-    opt.build(variables)  # as model.fit builds it, before the step is traced
-
-    @tf.function
-    def apply(grads):
-        opt.apply(grads, variables)
+    apply = train_step(opt, variables)
 
     tol = {"rtol": 1e-5, "atol": 1e-6}
     for step in range(STEPS):

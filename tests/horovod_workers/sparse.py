@@ -13,7 +13,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
-from common import Checks, assert_close, hvd
+from common import Checks, assert_close, hvd, train_step
 
 import tf_sparsify as tfs
 import tf_sparsify.horovod as th
@@ -61,11 +61,7 @@ def run_both(compressor, grads: list[np.ndarray], dtypes: list[str], k: int) -> 
     variables = [keras.Variable(np.zeros(s), dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
     opt = th.DistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0), compressor)
     exchange = th.GradientExchange(compressor)
-    opt.build(variables)  # as model.fit builds it, before the step is traced
-
-    @tf.function
-    def apply(step_grads):
-        opt.apply(step_grads, variables)
+    apply = train_step(opt, variables)
 
     dense_owners = 0
     for t in range(STEPS):
